@@ -1,0 +1,277 @@
+"""Public entry points: ``jvp`` (drop-in for ``torch.func.jvp``), ``jvp_params``, ``pack``/``unpack``.
+
+Scale choice (difference form, DESIGN.md §1). Block j is ``x + s_j u_j`` with one power-of-two
+scale per tangent, ``s_j = 2^round(log2(R * rms(x) / rms(u_j)))``, ``R = 2^10`` (``2^2`` when the
+primals are float16 or float16 autocast is on, to stay clear of its 65504 range). Because every
+rule is linear in ``z_j - a``, ``(y_j - y_0) / s_j`` equals ``J u_j`` up to rounding, whose relative
+size is about ``eps * (1 + |y_0| / |s_j J u_j|)`` at each layer: a tangent block that dominates
+its primal (large ``s_j``) keeps the float32 error near machine precision. Powers of two make the
+scaling itself exact. The scale is one number per tangent, not per sample: ops that mix samples
+(train-mode BatchNorm, attention over the batch) would not commute with per-sample scales.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Callable, Dict, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from . import functions
+from .tensor import CloneTensor, is_clone, wrap
+
+_R_DEFAULT = 2.0 ** 10
+_R_HALF = 2.0 ** 2
+
+
+def _ratio(dtype: torch.dtype, device: torch.device) -> float:
+    if dtype == torch.float16:
+        return _R_HALF
+    try:
+        if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == torch.float16:
+            return _R_HALF
+    except (TypeError, RuntimeError, AttributeError):  # older torch signatures
+        pass
+    return _R_DEFAULT
+
+
+def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) -> torch.Tensor:
+    """Per-tangent power-of-two scales ``s_j`` (shape ``(k,)``) for ``(primal, tangents (k, ...))`` pairs."""
+    ref = pairs[0][0]
+    ratio = _ratio(ref.dtype, ref.device) if ratio is None else ratio
+    with torch.no_grad():
+        xs = torch.zeros((), dtype=torch.float64, device=ref.device)
+        us = torch.zeros(k, dtype=torch.float64, device=ref.device)
+        n = 0
+        for x, u in pairs:
+            xs = xs + x.detach().double().pow(2).sum()
+            us = us + u.detach().double().pow(2).reshape(k, -1).sum(1)
+            n += x.numel()
+        rx = torch.sqrt(xs / max(n, 1))
+        rx = torch.where(rx > 0, rx, torch.ones_like(rx))
+        ru = torch.sqrt(us / max(n, 1))
+        s = torch.exp2(torch.round(torch.log2(ratio * rx / torch.where(ru > 0, ru, torch.ones_like(ru)))))
+        s = torch.where(ru > 0, s, torch.ones_like(s))
+    return s
+
+
+def _fixed_scales(scale: float, k: int, device) -> torch.Tensor:
+    if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale: expected 'auto' or a positive finite number, got {scale!r}")
+    return torch.full((k,), float(scale), dtype=torch.float64, device=device)
+
+
+def _blocks(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Physical ``(k+1, *x.shape)`` batch ``[x; x + s_1 u_1; ...]``."""
+    sv = s.to(x.dtype if x.is_floating_point() else torch.float32).reshape(-1, *([1] * x.dim()))
+    return torch.cat([x.unsqueeze(0), x.unsqueeze(0) + sv * u])
+
+
+def pack(primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor], *, scale: Any = "auto",
+         extra_pairs: Sequence[tuple] = ()) -> tuple:
+    """Build clone batches for ``primals`` carrying ``tangents`` (each of shape ``(k, *primal.shape)``).
+
+    Returns ``(clones, scales)``: one :class:`CloneTensor` per primal (logical shape = the primal's)
+    and the ``(k,)`` scales to pass to :func:`unpack`. ``extra_pairs`` joins other
+    ``(value, tangent)`` pairs (parameters) to the scale choice.
+    """
+    functions.install()
+    k = tangents[0].shape[0] if tangents else extra_pairs[0][1].shape[0]
+    pairs = list(zip(primals, tangents)) + list(extra_pairs)
+    s = choose_scales(pairs, k) if scale == "auto" else _fixed_scales(scale, k, pairs[0][0].device)
+    return tuple(wrap(_blocks(x, u, s)) for x, u in zip(primals, tangents)), s
+
+
+def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
+    """Split a clone forward's output into ``(primal_output, tangent_output)`` pytrees.
+
+    Tangent leaves have a leading ``k`` dim when ``batched`` (else ``k`` must be 1 and is dropped).
+    Outputs that do not depend on the batch get zero tangents.
+    """
+    k = scales.shape[0]
+
+    def split(leaf):
+        if is_clone(leaf):
+            p = leaf.as_subclass(torch.Tensor)
+            y0 = p[0]
+            if y0.is_floating_point() or y0.is_complex():
+                sv = scales.to(p.dtype).reshape(-1, *([1] * y0.dim()))
+                t = (p[1:] - y0) / sv
+            else:
+                t = torch.zeros((k, *y0.shape), dtype=y0.dtype, device=y0.device)
+            return y0, (t if batched else t[0])
+        if isinstance(leaf, torch.Tensor):
+            z = torch.zeros((k, *leaf.shape) if batched else leaf.shape, dtype=leaf.dtype, device=leaf.device)
+            return leaf, z
+        return leaf, None
+
+    leaves, spec = tree_flatten(out)
+    pairs = [split(l) for l in leaves]
+    return tree_unflatten([p[0] for p in pairs], spec), tree_unflatten([p[1] for p in pairs], spec)
+
+
+def primal_of(out: Any) -> Any:
+    """The primal block of every clone leaf (e.g. an ``aux`` output)."""
+    return tree_map(lambda l: l.as_subclass(torch.Tensor)[0] if is_clone(l) else l, out)
+
+
+def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{where}: expected primals to be a tuple of tensors, got {type(p).__name__} at index {i}. "
+                        "E.g. it should be valid to call f(*primals).")
+    if not (p.is_floating_point() or p.is_complex()):
+        raise TypeError(f"{where}: primals[{i}] has dtype {p.dtype}; JVPs need floating-point primals.")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: expected tangents to be a tuple of tensors, got {type(t).__name__} at index {i}.")
+    expected = tuple(p.shape)
+    got = tuple(t.shape[1:]) if batched else tuple(t.shape)
+    if got != expected:
+        hint = " (batched_tangents=True expects a leading k dim)" if batched else ""
+        raise ValueError(f"{where}: tangents[{i}] has shape {tuple(t.shape)}, expected {expected}{hint}.")
+    if p.dim() == 0:
+        raise ValueError(f"{where}: primals[{i}] is 0-dimensional; clone mode needs at least one dimension "
+                         "(reshape it to shape (1,) or close over it in func).")
+    return t.shape[0] if batched else 1
+
+
+def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor], *, has_aux: bool = False,
+        batched_tangents: bool = False, scale: Any = "auto"):
+    """Jacobian-vector product of ``func`` at ``primals`` in clone mode — a drop-in for ``torch.func.jvp``.
+
+    ``func(*primals)`` runs once on a batch that holds the primals and ``primal + s_j * tangent_j``
+    as blocks; every nonlinearity takes its state (masks, argmax, statistics) from the primal block,
+    so ``(f(x + s u) - f(x)) / s`` is exactly ``J_f(x) u`` (DESIGN.md §1). Works on unmodified
+    modules and functions, train-mode BatchNorm (statistics and running averages from the primal
+    alone) and fused attention, and is differentiable: gradients of any function of the JVP w.r.t.
+    parameters are exact.
+
+    Args:
+        func: a function of tensors returning a tensor or a pytree (tuple/list/dict) of tensors.
+        primals: tuple of floating-point tensors, ``func(*primals)`` must be valid.
+        tangents: tuple of tensors with the primals' shapes; with ``batched_tangents=True`` each has
+            a leading dim ``k`` and the ``k`` directions ride in one pass of ``(k+1)`` blocks.
+        has_aux: ``func`` returns ``(output, aux)``; ``aux`` is returned as computed on the primal.
+        batched_tangents: several tangents at once (see above); ``jvp_out`` leaves get the leading ``k``.
+        scale: ``"auto"`` (see module docstring) or a fixed positive number ``s``.
+
+    Returns:
+        ``(output, jvp_out)``, or ``(output, jvp_out, aux)`` with ``has_aux=True``.
+
+    Raises:
+        TypeError/ValueError: malformed primals or tangents.
+        UnsupportedOpError: an op with no rule whose exact fallback is impossible (names the op).
+
+    Example::
+
+        >>> model = torchvision.models.resnet18().train()
+        >>> x, u = torch.randn(8, 3, 64, 64), torch.randn(8, 3, 64, 64)
+        >>> y, Ju = jvpreg.jvp(model, (x,), (u,))           # train-mode BN: torch.func.jvp fails here
+        >>> y, JU = jvpreg.jvp(model, (x,), (torch.randn(4, 8, 3, 64, 64),), batched_tangents=True)
+    """
+    where = "jvpreg.jvp(func, primals, tangents)"
+    if not callable(func):
+        raise TypeError(f"{where}: expected func to be callable, got {type(func).__name__}.")
+    if isinstance(primals, torch.Tensor) or not isinstance(primals, (tuple, list)):
+        raise TypeError(f"{where}: expected primals to be a tuple of tensors. E.g. it should be valid to call "
+                        "f(*primals). Got " + type(primals).__name__ + ".")
+    if isinstance(tangents, torch.Tensor) or not isinstance(tangents, (tuple, list)):
+        raise TypeError(f"{where}: expected tangents to be a tuple of tensors, got {type(tangents).__name__}.")
+    if len(primals) != len(tangents):
+        raise ValueError(f"{where}: expected primals and tangents to have the same length, got "
+                         f"{len(primals)} and {len(tangents)}.")
+    if len(primals) == 0:
+        raise ValueError(f"{where}: expected at least one primal.")
+    ks = {_check_tangent(where, i, p, t, batched_tangents) for i, (p, t) in enumerate(zip(primals, tangents))}
+    if len(ks) != 1:
+        raise ValueError(f"{where}: every tangent must carry the same number of directions k, got {sorted(ks)}.")
+    tans = tuple(t if batched_tangents else t.unsqueeze(0) for t in tangents)
+    clones, s = pack(tuple(primals), tans, scale=scale)
+    result = func(*clones)
+    if has_aux:
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(f"{where}: has_aux=True expects func to return a (output, aux) tuple.")
+        result, aux = result
+    out, tan = unpack(result, s, batched=batched_tangents)
+    return (out, tan, primal_of(aux)) if has_aux else (out, tan)
+
+
+def _lookup_params(module: nn.Module, names: Mapping[str, torch.Tensor], where: str) -> Dict[str, torch.Tensor]:
+    named = dict(module.named_parameters())
+    named.update(dict(module.named_buffers()))
+    found = {}
+    for name in names:
+        if name not in named:
+            close = difflib.get_close_matches(name, list(named), n=3)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(f"{where}: module has no parameter {name!r}.{hint}")
+        found[name] = named[name]
+    return found
+
+
+def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangents: Mapping[str, torch.Tensor],
+               tangents: Sequence[torch.Tensor] | None = None, *, kwargs: Mapping[str, Any] | None = None,
+               batched_tangents: bool = False, has_aux: bool = False, scale: Any = "auto"):
+    """JVP w.r.t. named parameters (and optionally the inputs): the "swapped layer weight".
+
+    Computes ``d/dt module(x + t u; W + t U)`` at ``t = 0``, where ``U`` is given per parameter name
+    (``{"layer3.0.conv1.weight": U}``). Each perturbed parameter is replaced for this call by a clone
+    ``[W; W + s U]``: a layer ``h = W z + b`` then gives ``W z_j + b + s U z_0`` in block j, and
+    with no input tangent everything before the first perturbed layer runs once on the plain
+    batch. Any use of the parameter (weight norm, tied weights, custom ops) is linearised too.
+
+    Args:
+        module: the ``nn.Module``; its parameters are not modified.
+        primals: tuple of inputs, ``module(*primals, **kwargs)`` must be valid.
+        param_tangents: mapping parameter (or buffer) name -> direction of the parameter's shape
+            (with a leading ``k`` when ``batched_tangents``).
+        tangents: optional input tangents (as in :func:`jvp`); ``None`` means zero.
+        kwargs: extra keyword arguments for the module call.
+        batched_tangents, has_aux, scale: as in :func:`jvp`.
+
+    Returns:
+        ``(output, jvp_out)`` (plus ``aux``), like :func:`jvp`.
+
+    Example::
+
+        >>> U = torch.randn_like(model.layer3[0].conv1.weight)
+        >>> y, JU = jvpreg.jvp_params(model, (x,), {"layer3.0.conv1.weight": U})
+    """
+    where = "jvpreg.jvp_params(module, primals, param_tangents)"
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{where}: expected an nn.Module, got {type(module).__name__}.")
+    if isinstance(primals, torch.Tensor) or not isinstance(primals, (tuple, list)):
+        raise TypeError(f"{where}: expected primals to be a tuple of tensors, got {type(primals).__name__}.")
+    if not isinstance(param_tangents, Mapping) or not param_tangents:
+        raise TypeError(f"{where}: expected param_tangents to be a non-empty dict name -> tensor.")
+    params = _lookup_params(module, param_tangents, where)
+    ks = set()
+    for name, p in params.items():
+        u = param_tangents[name]
+        got = tuple(u.shape[1:]) if batched_tangents else tuple(u.shape)
+        if not isinstance(u, torch.Tensor) or got != tuple(p.shape):
+            raise ValueError(f"{where}: direction for {name!r} has shape {tuple(getattr(u, 'shape', ()))}, "
+                             f"expected {tuple(p.shape)}" + (" with a leading k dim" if batched_tangents else "") + ".")
+        ks.add(u.shape[0] if batched_tangents else 1)
+    if tangents is not None:
+        if len(tangents) != len(primals):
+            raise ValueError(f"{where}: expected one tangent per primal, got {len(tangents)} for {len(primals)}.")
+        ks |= {_check_tangent(where, i, p, t, batched_tangents) for i, (p, t) in enumerate(zip(primals, tangents))}
+    if len(ks) != 1:
+        raise ValueError(f"{where}: every direction must carry the same number of tangents k, got {sorted(ks)}.")
+    lift = (lambda t: t) if batched_tangents else (lambda t: t.unsqueeze(0))
+    pairs = [(p, lift(param_tangents[n])) for n, p in params.items()]
+    if tangents is not None:
+        inputs, s = pack(tuple(primals), tuple(lift(t) for t in tangents), scale=scale, extra_pairs=pairs)
+    else:
+        functions.install()
+        k = next(iter(ks))
+        s = choose_scales(pairs, k) if scale == "auto" else _fixed_scales(scale, k, pairs[0][0].device)
+        inputs = tuple(primals)
+    swapped = {n: wrap(_blocks(p, u, s)) for n, (p, u) in zip(params, pairs)}
+    result = torch.func.functional_call(module, swapped, tuple(inputs), dict(kwargs or {}), strict=False)
+    if has_aux:
+        result, aux = result
+    out, tan = unpack(result, s, batched=batched_tangents)
+    return (out, tan, primal_of(aux)) if has_aux else (out, tan)

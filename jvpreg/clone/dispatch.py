@@ -1,0 +1,248 @@
+"""Routing of every torch function that touches a clone batch.
+
+Order of resolution for ``func(*args, **kwargs)`` with at least one clone argument:
+
+1. a registered handler (rules, fast paths; :mod:`jvpreg.clone.registry`);
+2. in-place ops without a handler: the out-of-place op, then a copy back into the target;
+3. all clone arguments are *state* (equal blocks): evaluate on block 0 and repeat;
+4. the exact fallback: ``out_0 = func(block 0)`` and, for each tangent block j,
+   ``out_j = out_0 + jvp(func)(block 0; block j - block 0)`` with ``torch.func.jvp`` —
+   the linearisation of that one op at the primal, which is what every rule computes.
+   Non-float outputs (masks, indices) are state and are repeated from block 0.
+   An op without a forward-mode formula raises :class:`UnsupportedOpError`, which
+   names the op and how to register a rule. Never a silently wrong result.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch._C import DisableTorchFunctionSubclass
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .registry import HANDLERS, REENTRANT, op_name
+from .tensor import CloneTensor, is_clone, tile, wrap, wrap_tree
+
+
+class UnsupportedOpError(NotImplementedError):
+    """An op that the clone engine cannot linearise exactly."""
+
+
+class JVPFallbackWarning(UserWarning):
+    """An op ran through the exact but slower ``torch.func.jvp`` fallback."""
+
+
+_FALLBACK = {"mode": "jvp"}  # "jvp" (exact fallback, warn once) | "error"
+_WARNED: set = set()
+
+
+def set_fallback(mode: str) -> None:
+    """Choose what ops without a rule do: ``"jvp"`` (exact fallback, default) or ``"error"``."""
+    if mode not in ("jvp", "error"):
+        raise ValueError(f"set_fallback(mode): expected 'jvp' or 'error', got {mode!r}")
+    _FALLBACK["mode"] = mode
+
+
+@contextlib.contextmanager
+def fallback_mode(mode: str):
+    """Context manager form of :func:`set_fallback`."""
+    old = _FALLBACK["mode"]
+    set_fallback(mode)
+    try:
+        yield
+    finally:
+        _FALLBACK["mode"] = old
+
+
+def _how_to_register(name: str) -> str:
+    return (
+        f"Register a clone rule for it: `@jvpreg.clone.register_rule({name})` on a function that "
+        "takes the op's arguments (clone arguments arrive as (K, *shape) tensors: block 0 is the "
+        "primal, blocks 1.. the tangents) and returns the (K, *out_shape) output; see "
+        "jvpreg/clone/rules/ for examples."
+    )
+
+
+def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
+    handler = HANDLERS.get(func)
+    if handler is not None:
+        if func in REENTRANT:
+            return handler(func, args, kwargs)
+        with DisableTorchFunctionSubclass():
+            return handler(func, args, kwargs)
+    with DisableTorchFunctionSubclass():
+        return generic(func, args, kwargs)
+
+
+def _flat_clones(args: tuple, kwargs: dict):
+    flat, spec = tree_flatten((args, kwargs))
+    idx = [i for i, v in enumerate(flat) if type(v) is CloneTensor]
+    return flat, spec, idx
+
+
+def _inplace_name(func: Callable) -> str | None:
+    name = getattr(func, "__name__", "")
+    if name.startswith("__i") and name.endswith("__") and name not in ("__init__", "__index__", "__invert__", "__iter__"):
+        return name[3:-2]  # __iadd__ -> add
+    if name.endswith("_") and not name.startswith("_") and not name.endswith("__"):
+        return name[:-1]
+    return None
+
+
+def generic(func: Callable, args: tuple, kwargs: dict) -> Any:
+    if kwargs.get("out") is not None:
+        raise UnsupportedOpError(
+            f"jvpreg clone mode: {op_name(func)}(..., out=...) is not supported; use the out-of-place form."
+        )
+    oop_name = _inplace_name(func)
+    if oop_name is not None:
+        oop = getattr(torch.Tensor, oop_name, None) or getattr(torch, oop_name, None)
+        if oop is None:
+            raise UnsupportedOpError(f"jvpreg clone mode: no out-of-place form of in-place op {op_name(func)}.")
+        result = dispatch(oop, args, kwargs)
+        target = args[0]
+        if not is_clone(target):
+            raise RuntimeError(
+                f"jvpreg clone mode: {op_name(func)} would write batch data into a tensor created outside "
+                "the batch. Create that tensor from the batch (e.g. torch.zeros_like(h) or h.new_zeros(...)) "
+                "or collect the pieces with torch.stack/torch.cat."
+            )
+        with DisableTorchFunctionSubclass():
+            target.copy_(result)
+        target._jvp_state = bool(result._jvp_state) if is_clone(result) else False
+        return target
+    flat, spec, idx = _flat_clones(args, kwargs)
+    if all(flat[i]._jvp_state for i in idx):
+        return state_eval(func, args, kwargs)
+    return fallback(func, args, kwargs)
+
+
+def block0_args(flat: list, spec, idx: list) -> tuple:
+    f0 = list(flat)
+    for i in idx:
+        f0[i] = flat[i][0]
+    return tree_unflatten(f0, spec)
+
+
+def state_eval(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Evaluate on block 0 and repeat the result in every block (zero tangent)."""
+    flat, spec, idx = _flat_clones(args, kwargs)
+    k = flat[idx[0]].shape[0]
+    a_args, a_kwargs = block0_args(flat, spec, idx)
+    out = func(*a_args, **a_kwargs)
+    return wrap_tree(out, lambda t: wrap(tile(t, k), state=True))
+
+
+def per_block(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Apply an op that is affine in its clone arguments to every block (``torch.vmap``)."""
+    flat, spec, idx = _flat_clones(args, kwargs)
+    state = all(flat[i]._jvp_state for i in idx)
+
+    def g(*cs):
+        f2 = list(flat)
+        for i, c in zip(idx, cs):
+            f2[i] = c
+        a2, k2 = tree_unflatten(f2, spec)
+        return func(*a2, **k2)
+
+    phys = [flat[i].as_subclass(torch.Tensor) for i in idx]
+    out = torch.vmap(g, in_dims=0, randomness="same")(*phys)
+    return wrap_tree(out, lambda t: wrap(t, state=state))
+
+
+def _is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _rng_state(device: torch.device):
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return cpu, cuda
+
+
+def _set_rng_state(state, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Exact per-op linearisation at block 0 with ``torch.func.jvp`` (see module docstring)."""
+    flat, spec, idx = _flat_clones(args, kwargs)
+    name = op_name(func)
+    k = flat[idx[0]].shape[0]
+    diff = [i for i in idx if _is_float(flat[i]) and not flat[i]._jvp_state]
+    f0 = list(flat)
+    for i in idx:
+        f0[i] = flat[i][0]
+
+    if not diff:
+        return state_eval(func, args, kwargs)
+
+    # Cheap probe-free path for queries that return no tensor (shape, dtype, item...):
+    # run on block 0 first only when the op is known to be a query.
+    if _FALLBACK["mode"] == "error":
+        raise UnsupportedOpError(
+            f"jvpreg clone mode has no rule for {name} and the fallback is disabled "
+            f"(jvpreg.clone.set_fallback('error')). {_how_to_register(name)}"
+        )
+
+    def g(*xs):
+        f2 = list(f0)
+        for i, x in zip(diff, xs):
+            f2[i] = x
+        a2, k2 = tree_unflatten(f2, spec)
+        out = func(*a2, **k2)
+        leaves, _ = tree_flatten(out)
+        fl = tuple(l for l in leaves if _is_float(l))
+        if not fl:  # no differentiable output: return a dummy so torch.func.jvp accepts it
+            fl = (xs[0].sum() * 0,)
+        return fl, out
+
+    primals = tuple(flat[i][0] for i in diff)
+    device = primals[0].device
+    rng = _rng_state(device) if k > 2 else None
+    tangent_outs = []
+    out0 = None
+    try:
+        for j in range(1, k):
+            if rng is not None:
+                _set_rng_state(rng, device)
+            tangents = tuple(flat[i][j] - flat[i][0] for i in diff)
+            _, t_fl, out = torch.func.jvp(g, primals, tangents, has_aux=True)
+            if out0 is None:
+                out0 = out
+            tangent_outs.append(t_fl)
+    except UnsupportedOpError:
+        raise
+    except Exception as err:  # no forward-mode formula, or the op refuses dual tensors
+        raise UnsupportedOpError(
+            f"jvpreg clone mode has no rule for {name}, and its exact fallback "
+            f"(torch.func.jvp of that op) failed: {type(err).__name__}: {err}. {_how_to_register(name)}"
+        ) from err
+
+    leaves, ospec = tree_flatten(out0)
+    if not any(isinstance(l, torch.Tensor) for l in leaves):
+        return out0  # a query (shape, dtype, item...) answered on the primal block
+    if name not in _WARNED and _FALLBACK["mode"] == "jvp" and any(_is_float(l) for l in leaves):
+        _WARNED.add(name)
+        warnings.warn(
+            f"jvpreg: no clone rule for {name}; using the exact torch.func.jvp fallback, which is "
+            f"slower. {_how_to_register(name)}",
+            JVPFallbackWarning,
+            stacklevel=4,
+        )
+    new_leaves = []
+    pos = 0
+    for leaf in leaves:
+        if _is_float(leaf):
+            blocks = [leaf] + [leaf + t[pos] for t in tangent_outs]
+            pos += 1
+            new_leaves.append(wrap(torch.stack(blocks)))
+        elif isinstance(leaf, torch.Tensor):
+            new_leaves.append(wrap(tile(leaf, k), state=True))
+        else:
+            new_leaves.append(leaf)
+    return tree_unflatten(new_leaves, ospec)

@@ -1,0 +1,146 @@
+"""The one rule registry of the clone engine.
+
+A *handler* is ``handler(func, args, kwargs) -> output`` and is called with the subclass'
+torch-function disabled, so every :class:`~jvpreg.clone.tensor.CloneTensor` argument
+behaves as its physical ``(K, *L)`` tensor (block 0 = primal, blocks 1.. = tangents).
+Handlers return *physical* tensors; the helpers below wrap them back into clones.
+
+Three ways to register, from the most to the least specific:
+
+* :func:`register_handler` — full control (shape ops, fast paths).
+* :func:`register_rule` — a rule written on blocks: ``rule(*args, **kwargs)`` returns the
+  physical output(s); the registry wraps them and handles the in-place variants.
+* :func:`register_state` — ops whose outputs are piecewise constant in the batch
+  (comparisons, argmax, sign, random draws): computed on block 0 and repeated.
+
+Users add a rule for their own op the same way::
+
+    from jvpreg.clone import register_rule
+
+    @register_rule(torch.ops.mylib.soft_threshold.default)
+    def soft_threshold(x, lam):
+        a, b = x[0], x[1:]                        # primal block, tangent blocks
+        keep = a.abs() > lam                      # state from the primal block
+        out_a = torch.ops.mylib.soft_threshold(a, lam)
+        return torch.cat([out_a[None], torch.where(keep, b - lam * a.sign(), out_a)])
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Dict, Iterable
+
+import torch
+
+from .tensor import is_clone, wrap, wrap_tree
+
+Handler = Callable[[Callable, tuple, dict], Any]
+
+HANDLERS: Dict[Any, Handler] = {}
+REENTRANT: set = set()  # handlers that run with torch-function enabled (decompositions)
+
+
+def op_name(func: Any) -> str:
+    """A readable name for a torch function, e.g. ``torch.nn.functional.relu``."""
+    self_obj = getattr(func, "__self__", None)
+    if self_obj is not None and type(self_obj).__name__ == "getset_descriptor":
+        return f"torch.Tensor.{self_obj.__name__} (attribute)"
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    mod = getattr(func, "__module__", None)
+    if mod in (None, "torch._C", "torch._C._VariableFunctions"):
+        mod = "torch"
+    if qual.startswith("TensorBase.") or qual.startswith("_TensorBase."):
+        qual = "Tensor." + qual.split(".", 1)[1]
+        mod = "torch"
+    if mod == "torch._C._nn":
+        mod = "torch._C._nn"
+    if mod == "torch._tensor":
+        mod = "torch"
+    return f"{mod}.{qual}"
+
+
+def _existing(funcs: Iterable[Any]) -> list:
+    return [f for f in funcs if f is not None]
+
+
+def register_handler(*funcs: Any, reentrant: bool = False) -> Callable[[Handler], Handler]:
+    """Register ``handler(func, args, kwargs)`` for each torch function in ``funcs``."""
+
+    def deco(handler: Handler) -> Handler:
+        for f in _existing(funcs):
+            HANDLERS[f] = handler
+            if reentrant:
+                REENTRANT.add(f)
+        return handler
+
+    return deco
+
+
+def _finish(out: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:
+    if not inplace:
+        return wrap_tree(out, wrap)
+    target = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    if not is_clone(target):
+        raise RuntimeError(
+            "jvpreg clone mode: an in-place op would write batch data into a tensor created "
+            "outside the batch; create it from the batch (e.g. torch.zeros_like(h)) instead."
+        )
+    target.copy_(out)
+    target._jvp_state = False
+    return target
+
+
+def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str | None = "inplace"):
+    """Register a rule written on blocks for ``funcs`` (and their in-place variants).
+
+    The rule is called like the op, with clone arguments seen as physical ``(K, *L)``
+    tensors, and returns the physical output(s). In-place variants (listed in
+    ``inplace``, or called with ``inplace=True``) write the result back into the input.
+    """
+    inplace = tuple(_existing(inplace))
+
+    def deco(rule: Callable) -> Callable:
+        sig = inspect.signature(rule)
+        accepts_inplace = inplace_kwarg is not None and inplace_kwarg in sig.parameters
+
+        def out_of_place(func, args, kwargs):
+            is_ip = False
+            if accepts_inplace and kwargs.get(inplace_kwarg):
+                is_ip = True
+            elif accepts_inplace:
+                try:
+                    bound = sig.bind_partial(*args, **kwargs)
+                    is_ip = bool(bound.arguments.get(inplace_kwarg, False))
+                except TypeError:
+                    is_ip = False
+            return _finish(rule(*args, **kwargs), args, kwargs, is_ip)
+
+        def in_place(func, args, kwargs):
+            kwargs = {k: v for k, v in kwargs.items() if k != inplace_kwarg}
+            return _finish(rule(*args, **kwargs), args, kwargs, True)
+
+        for f in _existing(funcs):
+            HANDLERS[f] = out_of_place
+        for f in inplace:
+            HANDLERS[f] = in_place
+        rule.__jvpreg_funcs__ = tuple(_existing(funcs)) + inplace
+        return rule
+
+    return deco
+
+
+def register_state(*funcs: Any) -> None:
+    """Declare ops whose outputs carry state only (zero tangent): evaluated on block 0."""
+    from .dispatch import state_eval
+
+    for f in _existing(funcs):
+        HANDLERS[f] = state_eval
+
+
+def maybe(obj: Any, name: str) -> Any:
+    """``getattr(obj, name)`` or None (ops that exist only in some torch versions)."""
+    return getattr(obj, name, None)
+
+
+def same_signature(f: Callable) -> Callable:
+    return functools.wraps(f)(f)

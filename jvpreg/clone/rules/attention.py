@@ -1,0 +1,98 @@
+"""Attention: scaled dot-product attention linearised at the primal block; MultiheadAttention decomposed.
+
+With ``S = q k^T * scale + mask``, ``P = softmax(S)``, ``O = P v`` (dropout mask M drawn once):
+
+    dS = (dq k^T + q dk^T) * scale (+ d mask),   dP = P * (dS - sum(P * dS)),   dO = (dP * M) v + (P * M) dv
+
+Fused kernels hide P, so the tangent is computed with explicit products (P is materialised once
+for the primal block); the primal output uses the fused kernel when there is no dropout.
+``F.multi_head_attention_forward`` is run op by op on the clone batch (its projections, reshapes
+and the attention above each go through their own rules).
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn.functional as F
+
+from ..registry import register_handler, register_rule
+from ..tensor import is_clone
+
+
+def _primal(t):
+    return t[0] if is_clone(t) else t
+
+
+def _delta(t):
+    if is_clone(t) and not t._jvp_state:
+        return t[1:] - t[0]
+    return None
+
+
+def _repeat_kv(t, n_rep):
+    return t if n_rep == 1 or t is None else t.repeat_interleave(n_rep, dim=-3)
+
+
+@register_rule(F.scaled_dot_product_attention)
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """SDPA linearised at the primal block (formula in the module docstring)."""
+    q, k, v, m = _primal(query), _primal(key), _primal(value), _primal(attn_mask)
+    dq, dk, dv, dm = _delta(query), _delta(key), _delta(value), _delta(attn_mask)
+    kk = next(t.shape[0] for t in (query, key, value, attn_mask) if is_clone(t))
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    sc = 1.0 / math.sqrt(E) if scale is None else scale
+    n_rep = q.shape[-3] // k.shape[-3] if enable_gqa and q.dim() >= 3 else 1
+    k, v, dk, dv = (_repeat_kv(t, n_rep) for t in (k, v, dk, dv))
+    s = (q @ k.transpose(-2, -1)) * sc
+    if is_causal:
+        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=0)
+        s = s.masked_fill(~causal, float("-inf"))
+    if m is not None:
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+    p = torch.softmax(s, dim=-1)
+    if dropout_p > 0:
+        keep = torch.empty_like(p).bernoulli_(1 - dropout_p) / (1 - dropout_p)
+        pd = p * keep
+        out_a = pd @ v
+    else:
+        keep = None
+        pd = p
+        out_a = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=is_causal, scale=scale)
+    ds = 0
+    if dq is not None:
+        ds = ds + (dq @ k.transpose(-2, -1)) * sc
+    if dk is not None:
+        ds = ds + (q @ dk.transpose(-2, -1)) * sc
+    if dm is not None and m.dtype != torch.bool:
+        ds = ds + dm
+    tan = torch.zeros((kk - 1, *out_a.shape), dtype=out_a.dtype, device=out_a.device)
+    if torch.is_tensor(ds):
+        ds = torch.where(torch.isfinite(s), ds, torch.zeros((), dtype=ds.dtype, device=ds.device))
+        dp = p * (ds - (p * ds).sum(-1, keepdim=True))
+        if keep is not None:
+            dp = dp * keep
+        tan = tan + dp @ v
+    if dv is not None:
+        tan = tan + pd @ dv
+    return torch.cat([out_a[None], out_a + tan])
+
+
+def _without_torch_function_guard(fn):
+    """A copy of a Python op whose ``has_torch_function`` guard is off, so its body runs op by op."""
+    g = dict(fn.__globals__)
+    for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
+        g[name] = lambda *a, **k: False
+    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new
+
+
+_MHA = _without_torch_function_guard(F.multi_head_attention_forward)
+
+
+@register_handler(F.multi_head_attention_forward, reentrant=True)
+def multi_head_attention_forward(func, args, kwargs):
+    return _MHA(*args, **kwargs)

@@ -1,0 +1,157 @@
+"""Products of two batch tensors: first-order (Leibniz) expansion at the primal block.
+
+For a bilinear ``op`` (mul, matmul, bmm, einsum, attention products):
+``out_j = op(z1_j, a2) + op(a1, z2_j - a2)``, i.e. ``op(a1, a2) + op(a1, d2) + op(d1, a2)``.
+The first term is one call on every block at once. With a single varying operand the op is
+affine in it and runs on every block directly. Division by a batch tensor:
+``out_j = q + (d1 - q * d2) / a2``, ``q = a1 / a2``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..dispatch import _flat_clones, fallback, per_block
+from ..registry import maybe, register_handler
+from ..structural import align, elementwise, elementwise_inplace
+from ..tensor import CloneTensor, is_clone, wrap
+
+T = torch.Tensor
+
+
+def _varying_positions(flat, idx):
+    return [i for i in idx if not flat[i]._jvp_state and flat[i].is_floating_point()]
+
+
+def _aligned_pair(x, y):
+    cx, cy = is_clone(x), is_clone(y)
+    pos = [i for i, c in enumerate((cx, cy)) if c]
+    x2, y2 = align([x, y], pos)
+    return x2, y2
+
+
+@register_handler(torch.mul, T.mul, T.__mul__, T.__rmul__, maybe(torch, "multiply"), maybe(T, "multiply"))
+def mul(func, args, kwargs):
+    flat, spec, idx = _flat_clones(args, kwargs)
+    if len(_varying_positions(flat, idx)) < 2:
+        return elementwise(func, args, kwargs)
+    x, y = _aligned_pair(args[0], args[1])
+    a1, a2 = x[0], y[0]
+    return wrap(torch.cat([(a1 * a2)[None], a1 * y[1:] + (x[1:] - a1) * a2]))
+
+
+@register_handler(T.mul_, T.__imul__, maybe(T, "multiply_"))
+def mul_(func, args, kwargs):
+    flat, spec, idx = _flat_clones(args, kwargs)
+    if len(_varying_positions(flat, idx)) < 2:
+        return elementwise_inplace(func, args, kwargs)
+    out = mul(torch.mul, args[:2], {})
+    args[0].copy_(out)
+    args[0]._jvp_state = False
+    return args[0]
+
+
+def _divide(x, y, kwargs):
+    """x / y with a varying denominator (and any numerator)."""
+    rounding = kwargs.get("rounding_mode")
+    if rounding is not None:  # floor/trunc division: piecewise constant
+        from ..dispatch import state_eval
+        return state_eval(torch.div, (x, y), kwargs)
+    vx = is_clone(x) and not x._jvp_state
+    xx, yy = _aligned_pair(x, y)
+    a1 = xx[0] if is_clone(x) else xx
+    a2 = yy[0]
+    q = a1 / a2
+    d2 = yy[1:] - a2
+    d1 = (xx[1:] - a1) if vx else 0
+    return wrap(torch.cat([q[None], q + (d1 - q * d2) / a2]))
+
+
+@register_handler(torch.div, T.div, T.__truediv__, torch.true_divide, T.true_divide, maybe(torch, "divide"),
+                  maybe(T, "divide"))
+def div(func, args, kwargs):
+    x, y = args[0], args[1] if len(args) > 1 else kwargs["other"]
+    if not (is_clone(y) and not y._jvp_state):
+        return elementwise(func, args, kwargs)
+    return _divide(x, y, kwargs)
+
+
+@register_handler(T.__rtruediv__)
+def rdiv(func, args, kwargs):
+    y, x = args[0], args[1]  # other / self
+    if not (is_clone(y) and not y._jvp_state):
+        return elementwise(func, args, kwargs)
+    if not torch.is_tensor(x):
+        x = torch.as_tensor(x, dtype=y.dtype, device=y.device)
+    return _divide(x, y, {})
+
+
+@register_handler(T.div_, T.__itruediv__, T.true_divide_, maybe(T, "divide_"))
+def div_(func, args, kwargs):
+    y = args[1] if len(args) > 1 else kwargs["other"]
+    if not (is_clone(y) and not y._jvp_state):
+        return elementwise_inplace(func, args, kwargs)
+    out = _divide(args[0], y, kwargs)
+    args[0].copy_(out)
+    args[0]._jvp_state = False
+    return args[0]
+
+
+def _bilinear(func, args, kwargs):
+    """Generic two-operand expansion; one varying operand -> per-block call (affine)."""
+    flat, spec, idx = _flat_clones(args, kwargs)
+    var = _varying_positions(flat, idx)
+    if len(var) < 2:
+        return per_block(func, args, kwargs)
+    if len(var) > 2:
+        return fallback(func, args, kwargs)
+    i1, i2 = var
+    from torch.utils._pytree import tree_unflatten
+
+    first = list(flat)
+    first[i2] = flat[i2][0]  # op(z1_j, a2) for every block, one batched call
+    fa, fk = tree_unflatten(first, spec)
+    base = per_block(func, fa, fk)
+    k = flat[i1].shape[0]
+    extras = []
+    for j in range(1, k):
+        f2 = list(flat)
+        for i in idx:
+            f2[i] = flat[i][0]
+        f2[i2] = flat[i2][j] - flat[i2][0]
+        a2, k2 = tree_unflatten(f2, spec)
+        extras.append(func(*a2, **k2))
+    b = base.as_subclass(torch.Tensor)
+    return wrap(torch.cat([b[:1], b[1:] + torch.stack(extras)]))
+
+
+@register_handler(torch.matmul, T.matmul, T.__matmul__, torch.mm, T.mm, torch.bmm, T.bmm, torch.einsum,
+                  maybe(torch, "mv"), maybe(T, "mv"), maybe(torch, "dot"), maybe(T, "dot"), maybe(torch, "inner"),
+                  maybe(torch, "outer"), maybe(T, "outer"), maybe(torch, "tensordot"), maybe(torch, "kron"),
+                  maybe(torch, "cross"), maybe(torch.linalg, "vecdot"))
+def matmul(func, args, kwargs):
+    flat, spec, idx = _flat_clones(args, kwargs)
+    var = _varying_positions(flat, idx)
+    if len(var) < 2 and func in (torch.matmul, T.matmul, T.__matmul__) and is_clone(args[0]) \
+            and torch.is_tensor(args[1]) and not is_clone(args[1]) and args[1].dim() <= 2:
+        # x @ W with a constant W: every leading dim (blocks included) is a batch dim
+        return wrap(torch.matmul(args[0].as_subclass(torch.Tensor), args[1]), state=args[0]._jvp_state)
+    return _bilinear(func, args, kwargs)
+
+
+@register_handler(T.__rmatmul__)
+def rmatmul(func, args, kwargs):
+    return matmul(torch.matmul, (args[1], args[0]), {})
+
+
+@register_handler(torch.baddbmm, T.baddbmm, torch.addmm, T.addmm, torch.addbmm, maybe(torch, "addmv"),
+                  torch.addcmul, T.addcmul, torch.addcdiv, T.addcdiv)
+def add_product(func, args, kwargs):
+    """input + beta/value * (product of two operands): affine + bilinear; exact via the fallback
+    when both factors vary, else per block."""
+    flat, spec, idx = _flat_clones(args, kwargs)
+    var = _varying_positions(flat, idx)
+    name = func.__name__
+    factors = (1, 2)
+    if len([i for i in var if i in factors]) >= 2 or (name == "addcdiv" and 2 in var):
+        return fallback(func, args, kwargs)
+    return per_block(func, args, kwargs)

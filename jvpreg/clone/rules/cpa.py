@@ -1,0 +1,190 @@
+"""Continuous piecewise-affine elementwise ops: the slope pattern comes from the primal block.
+
+For an op with frozen region at ``a`` (block 0), every block ``z`` maps to
+``out(z) = out(a) + Q(a) * (z - a)``. Two shapes of rule cover the family:
+
+* zero-intercept ops (relu, leaky_relu, prelu, abs): ``out = Q(a) * z`` for every block;
+* clamp-like ops (hardtanh/relu6, clamp, threshold): ``out = z`` where ``a`` is inside the
+  affine piece, ``out(a)`` where ``a`` is clamped.
+
+Kink conventions follow PyTorch's own derivatives (tests check them at the kink):
+relu'(0) = 0; leaky_relu'(0) = negative_slope; prelu'(0) = weight; abs'(0) = 0;
+hardtanh/relu6 have slope 0 at both bounds; clamp has slope 1 at its bounds;
+threshold(x, t, v) has slope 0 at x = t; hardsigmoid has slope 0 at ±3;
+hardswish'(x) = 0 for x < -3, (2x + 3)/6 for -3 <= x <= 3, 1 above (piecewise smooth);
+maximum/minimum split ties evenly (0.5 each), as torch does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import fallback
+from ..registry import maybe, register_rule
+from ..structural import align
+from ..tensor import is_clone
+
+T = torch.Tensor
+
+
+def _with_slope(x: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
+    """``out_j = slope(a) * x_j`` for every block (zero-intercept CPA ops)."""
+    return x * slope
+
+
+def _clamped(x: torch.Tensor, inside: torch.Tensor, out_a: torch.Tensor) -> torch.Tensor:
+    """``out_j = x_j`` where the primal is in the identity piece, else the primal's output."""
+    return torch.where(inside, x, out_a)
+
+
+@register_rule(F.relu, torch.relu, T.relu, inplace=(F.relu_, torch.relu_, T.relu_))
+def relu(input, inplace=False):
+    """relu(z) = 1[a > 0] * z."""
+    return torch.where(input[0] > 0, input, torch.zeros((), dtype=input.dtype, device=input.device))
+
+
+@register_rule(F.leaky_relu, torch._C._nn.leaky_relu, inplace=(F.leaky_relu_, torch._C._nn.leaky_relu_))
+def leaky_relu(input, negative_slope=0.01, inplace=False):
+    """leaky_relu(z) = (1[a > 0] + negative_slope * 1[a <= 0]) * z."""
+    a = input[0]
+    slope = torch.where(a > 0, torch.ones_like(a), torch.full_like(a, negative_slope))
+    return _with_slope(input, slope)
+
+
+@register_rule(F.prelu, torch.prelu)
+def prelu(input, weight):
+    """prelu(z) = (1[a > 0] + w * 1[a <= 0]) * z, w broadcast over the channel dim (dim 1)."""
+    if not is_clone(input):
+        return fallback(F.prelu, (input, weight), {})
+    a = input[0]
+    w = weight[0] if is_clone(weight) else weight
+    if a.dim() >= 2 and w.numel() > 1:
+        w = w.reshape(1, -1, *([1] * (a.dim() - 2)))
+    slope = torch.where(a > 0, torch.ones_like(a), w.to(a.dtype).expand_as(a))
+    out = _with_slope(input, slope)
+    if is_clone(weight) and not weight._jvp_state:  # weight tangent: min(a, 0) * dw
+        dw = weight[1:] - weight[0]
+        if a.dim() >= 2 and weight[0].numel() > 1:
+            dw = dw.reshape(dw.shape[0], 1, -1, *([1] * (a.dim() - 2)))
+        out = torch.cat([out[:1], out[1:] + torch.clamp(a, max=0) * dw])
+    return out
+
+
+@register_rule(torch.abs, T.abs, T.__abs__, maybe(torch, "absolute"), maybe(T, "absolute"),
+               inplace=(torch.abs_, T.abs_, maybe(T, "absolute_")))
+def abs(input):
+    """abs(z) = sign(a) * z (slope 0 at a = 0)."""
+    return _with_slope(input, torch.sign(input[0]))
+
+
+@register_rule(F.hardtanh, torch._C._nn.hardtanh, inplace=(F.hardtanh_, torch._C._nn.hardtanh_))
+def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
+    """hardtanh(z) = z where min < a < max, else hardtanh(a)."""
+    a = input[0]
+    out_a = F.hardtanh(a, min_val, max_val)
+    return _clamped(input, (a > min_val) & (a < max_val), out_a)
+
+
+@register_rule(F.relu6, maybe(torch._C._nn, "relu6"), inplace=(maybe(torch._C._nn, "relu6_"),))
+def relu6(input, inplace=False):
+    """relu6(z) = z where 0 < a < 6, else relu6(a)."""
+    return hardtanh(input, 0.0, 6.0)
+
+
+def _bound(v, j=0):
+    if is_clone(v):
+        return v[j]
+    return v
+
+
+@register_rule(torch.clamp, T.clamp, torch.clip, T.clip, inplace=(torch.clamp_, T.clamp_, torch.clip_, T.clip_),
+               inplace_kwarg=None)
+def clamp(input, min=None, max=None):
+    """clamp(z) = z where min <= a <= max (slope 1 at the bounds, as torch), else clamp(a)."""
+    if not is_clone(input) or (is_clone(min) and not min._jvp_state) or (is_clone(max) and not max._jvp_state):
+        return _clamp_with_tensor_bounds(input, min, max)
+    a = input[0]
+    lo, hi = _bound(min), _bound(max)
+    out_a = torch.clamp(a, lo, hi)
+    inside = torch.ones_like(a, dtype=torch.bool)
+    if lo is not None:
+        inside = inside & (a >= lo)
+    if hi is not None:
+        inside = inside & (a <= hi)
+    return _clamped(input, inside, out_a)
+
+
+def _clamp_with_tensor_bounds(input, min, max):
+    """clamp with varying tensor bounds = min(max(x, lo), hi), each piece by the maximum rule."""
+    out = input
+    if min is not None:
+        out = _extremum(out, min, torch.maximum)
+    if max is not None:
+        out = _extremum(out, max, torch.minimum)
+    return out
+
+
+@register_rule(torch.clamp_min, T.clamp_min, inplace=(torch.clamp_min_, T.clamp_min_), inplace_kwarg=None)
+def clamp_min(input, min):
+    return clamp(input, min, None)
+
+
+@register_rule(torch.clamp_max, T.clamp_max, inplace=(torch.clamp_max_, T.clamp_max_), inplace_kwarg=None)
+def clamp_max(input, max):
+    return clamp(input, None, max)
+
+
+@register_rule(F.threshold, torch.threshold, inplace=(F.threshold_, torch.threshold_))
+def threshold(input, threshold, value, inplace=False):
+    """threshold(z) = z where a > threshold, else value."""
+    a = input[0]
+    return _clamped(input, a > threshold, F.threshold(a, threshold, value))
+
+
+@register_rule(F.hardsigmoid, torch._C._nn.hardsigmoid, inplace=(torch._C._nn.hardsigmoid_,))
+def hardsigmoid(input, inplace=False):
+    """hardsigmoid(z) = z/6 + 1/2 on -3 < a < 3, else hardsigmoid(a)."""
+    a = input[0]
+    out_a = F.hardsigmoid(a)
+    inside = (a > -3) & (a < 3)
+    return torch.cat([out_a[None], torch.where(inside, out_a + (input[1:] - a) / 6, out_a)])
+
+
+@register_rule(F.hardswish, torch._C._nn.hardswish, inplace=(torch._C._nn.hardswish_,))
+def hardswish(input, inplace=False):
+    """hardswish(z) ~ out(a) + h'(a) (z - a), h'(a) = 0 | (2a + 3)/6 | 1 (piecewise smooth)."""
+    a = input[0]
+    out_a = F.hardswish(a)
+    slope = torch.where(a < -3, torch.zeros_like(a), torch.where(a <= 3, (2 * a + 3) / 6, torch.ones_like(a)))
+    return torch.cat([out_a[None], out_a + slope * (input[1:] - a)])
+
+
+def _extremum(x, y, op):
+    """maximum/minimum of two operands: pick the primal winner; ties split 0.5/0.5 (torch's convention)."""
+    vx, vy = is_clone(x) and not x._jvp_state, is_clone(y) and not y._jvp_state
+    cx, cy = is_clone(x), is_clone(y)
+    x, y = align([x, y], [i for i, c in enumerate((cx, cy)) if c])
+    xa = x[0] if cx else x
+    ya = y[0] if cy else y
+    if not torch.is_tensor(xa):
+        xa = torch.as_tensor(xa, dtype=ya.dtype, device=ya.device)
+    if not torch.is_tensor(ya):
+        ya = torch.as_tensor(ya, dtype=xa.dtype, device=xa.device)
+    out_a = op(xa, ya)
+    win_x = (xa > ya) if op in (torch.maximum, torch.fmax) else (xa < ya)
+    w = torch.where(xa == ya, torch.full_like(out_a, 0.5), win_x.to(out_a.dtype))
+    dx = (x[1:] - xa) if vx else 0
+    dy = (y[1:] - ya) if vy else 0
+    return torch.cat([out_a[None], out_a + w * dx + (1 - w) * dy])
+
+
+@register_rule(torch.maximum, T.maximum, maybe(torch, "fmax"), maybe(T, "fmax"))
+def maximum(input, other):
+    """maximum(x, y) = w x + (1 - w) y, w = 1[a_x > a_y] (0.5 on ties)."""
+    return _extremum(input, other, torch.maximum)
+
+
+@register_rule(torch.minimum, T.minimum, maybe(torch, "fmin"), maybe(T, "fmin"))
+def minimum(input, other):
+    """minimum(x, y) = w x + (1 - w) y, w = 1[a_x < a_y] (0.5 on ties)."""
+    return _extremum(input, other, torch.minimum)

@@ -1,0 +1,66 @@
+"""Dropout, every variant: one random mask, drawn once, applied to every block.
+
+Given its mask the op is affine: ``out_j = m * z_j + c`` (``c = 0`` except alpha dropout),
+so the tangent is ``m * u`` and the primal block is a plain dropout of the primal.
+Feature variants (dropout1d/2d/3d, feature_alpha_dropout) draw one value per
+(sample, channel). Outside training the ops are the identity.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..registry import maybe, register_rule
+
+_SELU_ALPHA = 1.7580993408473766  # -lambda * alpha of SELU, as in ATen's alpha dropout
+
+
+def _mask_shape(a: torch.Tensor, feature: bool) -> tuple:
+    if not feature:
+        return tuple(a.shape)
+    if a.dim() < 2:
+        raise ValueError(f"feature dropout needs an input with a channel dim, got shape {tuple(a.shape)}")
+    # batched (N, C, *S) or unbatched (C, *S): one draw per channel (per sample)
+    lead = 2 if a.dim() >= 3 else 1
+    return tuple(a.shape[:lead]) + (1,) * (a.dim() - lead)
+
+
+def _apply(x: torch.Tensor, p: float, training: bool, feature: bool, alpha: bool) -> torch.Tensor:
+    if not training or p == 0:
+        return x.clone()
+    a = x[0]
+    if p == 1:
+        keep = torch.zeros(_mask_shape(a, feature), dtype=a.dtype, device=a.device)
+    else:
+        keep = torch.empty(_mask_shape(a, feature), dtype=a.dtype, device=a.device).bernoulli_(1 - p)
+    if not alpha:
+        return x * (keep / (1 - p)) if p < 1 else x * keep
+    coef = 1.0 / ((_SELU_ALPHA ** 2 * p + 1) * (1 - p)) ** 0.5
+    shift = (keep - 1) * _SELU_ALPHA * coef + _SELU_ALPHA * coef * p
+    return x * (keep * coef) + shift
+
+
+@register_rule(F.dropout, torch.dropout, inplace=(maybe(torch, "dropout_"),))
+def dropout(input, p=0.5, training=True, inplace=False):
+    """dropout(z) = m * z / (1 - p) with one Bernoulli mask m for every block."""
+    return _apply(input, p, training, feature=False, alpha=False)
+
+
+@register_rule(F.dropout1d, F.dropout2d, F.dropout3d, torch.feature_dropout,
+               inplace=(maybe(torch, "feature_dropout_"),))
+def feature_dropout(input, p=0.5, training=True, inplace=False):
+    """dropout{1,2,3}d(z) = m[n, c] * z / (1 - p), one mask value per (sample, channel)."""
+    return _apply(input, p, training, feature=True, alpha=False)
+
+
+@register_rule(F.alpha_dropout, torch.alpha_dropout, inplace=(maybe(torch, "alpha_dropout_"),))
+def alpha_dropout(input, p=0.5, training=False, inplace=False):
+    """alpha_dropout(z) = m c z + (m - 1) alpha c + alpha c p (SELU-preserving affine dropout)."""
+    return _apply(input, p, training, feature=False, alpha=True)
+
+
+@register_rule(F.feature_alpha_dropout, torch.feature_alpha_dropout,
+               inplace=(maybe(torch, "feature_alpha_dropout_"),))
+def feature_alpha_dropout(input, p=0.5, training=False, inplace=False):
+    """feature_alpha_dropout: alpha dropout with one mask value per (sample, channel)."""
+    return _apply(input, p, training, feature=True, alpha=True)

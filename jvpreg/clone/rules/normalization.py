@@ -1,0 +1,175 @@
+"""Normalisation layers linearised with the statistics of the primal block.
+
+For ``y = gamma * xhat + beta``, ``xhat = (z - mu) * rstd`` over the reduced dims R:
+
+    out_j = out_a + gamma * rstd * (d_j - mean_R(d_j) - xhat * mean_R(d_j * xhat)) + xhat * dgamma_j + dbeta_j
+
+with ``d_j = block_j - a`` and ``mu``, ``rstd``, ``xhat`` of the primal block ``a`` only (kept in
+the autograd graph, so gradients of a penalty on the JVP are exact). Train-mode BatchNorm
+("clone-BN") takes R = batch + spatial dims of the primal block and updates the running
+statistics once, from the primal block alone, by the same kernel a plain forward uses
+(``num_batches_tracked`` is counted by the module, once per call). Eval-mode BatchNorm and
+InstanceNorm with running statistics are affine and run on the merged batch.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import fallback
+from ..registry import register_rule
+from ..tensor import is_clone, tile
+
+
+def _primal(t):
+    return t[0] if is_clone(t) else t
+
+
+def _delta(t):
+    """Tangent blocks minus the primal (``None`` for constants and state)."""
+    if is_clone(t) and not t._jvp_state:
+        return t[1:] - t[0]
+    return None
+
+
+def _channel_view(p: torch.Tensor, ndim: int, channel_dim: int = 1) -> torch.Tensor:
+    shape = [1] * ndim
+    shape[channel_dim] = -1
+    return p.reshape(shape)
+
+
+def linearized_norm(x, out_a, xhat, rstd, red_dims: Sequence[int], weight, bias, affine_shape):
+    """Assemble ``[out_a; out_j]`` for a normalisation with primal statistics (see module doc).
+
+    ``red_dims`` are negative dims of the primal block; ``affine_shape(p)`` reshapes a
+    per-feature parameter so it broadcasts against the primal block.
+    """
+    k1 = x.shape[0] - 1 if is_clone(x) else None
+    parts = []
+    d = _delta(x)
+    if d is not None:
+        rd = tuple(red_dims)
+        dn = d - d.mean(rd, keepdim=True) - xhat * (d * xhat).mean(rd, keepdim=True)
+        g = rstd if weight is None else rstd * affine_shape(_primal(weight))
+        parts.append(g * dn)
+    dw, db = _delta(weight), _delta(bias)
+    if dw is not None:
+        parts.append(xhat * dw.reshape(dw.shape[0], *affine_shape(dw[0]).shape))
+    if db is not None:
+        parts.append(db.reshape(db.shape[0], *affine_shape(db[0]).shape))
+    if k1 is None:
+        k1 = next(t.shape[0] - 1 for t in (weight, bias) if is_clone(t))
+    if not parts:
+        return tile(out_a, k1 + 1)
+    tan = parts[0]
+    for p in parts[1:]:
+        tan = tan + p
+    tan = out_a + tan
+    if tan.dim() == out_a.dim():
+        tan = tan.unsqueeze(0).expand(k1, *out_a.shape)
+    return torch.cat([out_a[None], tan])
+
+
+@register_rule(F.batch_norm)
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """Clone-BN: batch statistics from the primal block; eval mode is affine (merged batch)."""
+    if is_clone(running_mean) or is_clone(running_var):
+        return fallback(F.batch_norm, (input, running_mean, running_var, weight, bias, training, momentum, eps), {})
+    a = _primal(input)
+    w0, b0 = _primal(weight), _primal(bias)
+    ch = lambda p: _channel_view(p, a.dim())
+    if not training:
+        if is_clone(input):
+            p = input
+            merged = F.batch_norm(p.reshape(-1, *p.shape[2:]), running_mean, running_var, w0, b0, False, momentum, eps)
+            out = merged.reshape(p.shape)
+            if _delta(weight) is None and _delta(bias) is None:
+                return out
+            out_a = out[0]
+        else:
+            out_a = F.batch_norm(a, running_mean, running_var, w0, b0, False, momentum, eps)
+        xhat = (a - ch(running_mean)) * ch(torch.rsqrt(running_var + eps))
+        k = (input if is_clone(input) else (weight if is_clone(weight) else bias)).shape[0]
+        tan = out[1:] if is_clone(input) else tile(out_a, k)[1:]
+        dw, db = _delta(weight), _delta(bias)
+        if dw is not None:
+            tan = tan + xhat * dw.reshape(dw.shape[0], *ch(dw[0]).shape)
+        if db is not None:
+            tan = tan + db.reshape(db.shape[0], *ch(db[0]).shape)
+        return torch.cat([out_a[None], tan])
+    out_a = F.batch_norm(a, running_mean, running_var, w0, b0, True, momentum, eps)
+    dims = (0,) + tuple(range(2, a.dim()))
+    var, mean = torch.var_mean(a, dim=dims, correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    xhat = (a - mean) * rstd
+    red = tuple(d - a.dim() for d in dims)
+    return linearized_norm(input, out_a, xhat, rstd, red, weight, bias, ch)
+
+
+@register_rule(torch.batch_norm)
+def torch_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled=True):
+    return batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+@register_rule(F.instance_norm)
+def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
+                  momentum=0.1, eps=1e-5):
+    """InstanceNorm: per-sample, per-channel statistics of the primal block (running stats from it)."""
+    a = _primal(input)
+    w0, b0 = _primal(weight), _primal(bias)
+    ch = lambda p: _channel_view(p, a.dim())
+    if not use_input_stats or not is_clone(input):
+        return fallback(F.instance_norm, (input, running_mean, running_var, weight, bias, use_input_stats,
+                                          momentum, eps), {})
+    out_a = F.instance_norm(a, running_mean, running_var, w0, b0, True, momentum, eps)
+    dims = tuple(range(2, a.dim()))
+    var, mean = torch.var_mean(a, dim=dims, correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    xhat = (a - mean) * rstd
+    return linearized_norm(input, out_a, xhat, rstd, tuple(d - a.dim() for d in dims), weight, bias, ch)
+
+
+@register_rule(F.layer_norm, torch.layer_norm)
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
+    """LayerNorm over the trailing ``normalized_shape`` dims, statistics of the primal block."""
+    if not is_clone(input):
+        return fallback(F.layer_norm, (input, normalized_shape, weight, bias, eps), {})
+    a = input[0]
+    w0, b0 = _primal(weight), _primal(bias)
+    out_a = F.layer_norm(a, normalized_shape, w0, b0, eps)
+    red = tuple(range(-len(normalized_shape), 0))
+    var, mean = torch.var_mean(a, dim=red, correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    xhat = (a - mean) * rstd
+    return linearized_norm(input, out_a, xhat, rstd, red, weight, bias, lambda p: p)
+
+
+@register_rule(F.group_norm, torch.group_norm)
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
+    """GroupNorm: statistics over (channels of a group, spatial) of each primal sample."""
+    if not is_clone(input):
+        return fallback(F.group_norm, (input, num_groups, weight, bias, eps), {})
+    a = input[0]
+    w0, b0 = _primal(weight), _primal(bias)
+    out_a = F.group_norm(a, num_groups, w0, b0, eps)
+    n, c = a.shape[0], a.shape[1]
+    ag = a.reshape(n, num_groups, -1)
+    var, mean = torch.var_mean(ag, dim=-1, correction=0, keepdim=True)
+    rstd_g = torch.rsqrt(var + eps)
+    xhat = ((ag - mean) * rstd_g).reshape(a.shape)
+    k1 = input.shape[0] - 1
+    d = (input[1:] - a).reshape(k1, n, num_groups, -1)
+    xg = xhat.reshape(n, num_groups, -1)
+    dn = (d - d.mean(-1, keepdim=True) - xg * (d * xg).mean(-1, keepdim=True)) * rstd_g
+    dn = dn.reshape(k1, *a.shape)
+    ch = lambda p: _channel_view(p, a.dim())
+    if weight is not None:
+        dn = dn * ch(w0)
+    dw, db = _delta(weight), _delta(bias)
+    if dw is not None:
+        dn = dn + xhat * dw.reshape(k1, *ch(w0).shape)
+    if db is not None:
+        dn = dn + db.reshape(k1, *ch(b0).shape)
+    return torch.cat([out_a[None], out_a + dn])

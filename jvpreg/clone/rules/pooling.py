@@ -1,0 +1,138 @@
+"""Max-type selections: argmax indices come from the primal block, every block is gathered there.
+
+``maxpool(z)[i] = z[argmax_a(i)]`` — a fixed selection, hence linear in ``z``. Ties follow the
+kernel's own index choice (the same index its backward and torch.func use). Full and
+``amax``/``amin`` reductions split ties evenly (torch's forward-mode convention).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import fallback
+from ..registry import maybe, register_rule
+from ..tensor import is_clone, neg_dim
+from .cpa import _extremum
+
+T = torch.Tensor
+
+
+def gather_blocks(x: torch.Tensor, out_a: torch.Tensor, idx: torch.Tensor, nsp: int) -> torch.Tensor:
+    """Stack ``out_a`` with every tangent block gathered at the primal's flat spatial indices."""
+    b = x[1:]
+    k1 = b.shape[0]
+    src = b.flatten(-nsp) if nsp > 1 else b
+    ind = idx.flatten(-nsp) if nsp > 1 else idx
+    ind = ind.unsqueeze(0).expand(k1, *ind.shape)
+    got = src.gather(-1, ind).reshape(k1, *out_a.shape)
+    return torch.cat([out_a[None], got])
+
+
+def _max_pool_rule(nsp: int):
+    with_idx = getattr(F, f"max_pool{nsp}d_with_indices")
+
+    def rule(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+        out_a, idx = with_idx(input[0], kernel_size, stride, padding, dilation, ceil_mode, return_indices=True)
+        out = gather_blocks(input, out_a, idx, nsp)
+        return (out, idx.unsqueeze(0).expand(out.shape[0], *idx.shape).clone()) if return_indices else out
+
+    rule.__doc__ = f"max_pool{nsp}d(z) = z gathered at argmax(a) (indices from the primal block)."
+    return rule
+
+
+def _adaptive_max_rule(nsp: int):
+    with_idx = getattr(F, f"adaptive_max_pool{nsp}d_with_indices")
+
+    def rule(input, output_size, return_indices=False):
+        out_a, idx = with_idx(input[0], output_size, return_indices=True)
+        out = gather_blocks(input, out_a, idx, nsp)
+        return (out, idx.unsqueeze(0).expand(out.shape[0], *idx.shape).clone()) if return_indices else out
+
+    rule.__doc__ = f"adaptive_max_pool{nsp}d(z) = z gathered at argmax(a)."
+    return rule
+
+
+for _n in (1, 2, 3):
+    register_rule(
+        getattr(F, f"max_pool{_n}d"), getattr(F, f"max_pool{_n}d_with_indices"), maybe(F, f"_max_pool{_n}d"),
+        maybe(torch, f"max_pool{_n}d"),
+    )(_max_pool_rule(_n))
+    register_rule(
+        getattr(F, f"adaptive_max_pool{_n}d"), getattr(F, f"adaptive_max_pool{_n}d_with_indices"),
+        maybe(F, f"_adaptive_max_pool{_n}d"),
+    )(_adaptive_max_rule(_n))
+
+
+def _max_min(input, dim=None, keepdim=False, *, op):
+    """torch.max/min: over a dim -> (values gathered at the primal argmax, indices);
+    full reduction -> mean of the tied entries; with a tensor second argument -> maximum/minimum."""
+    if torch.is_tensor(dim):  # binary form max(x, y)
+        return _extremum(input, dim, torch.maximum if op is torch.max else torch.minimum)
+    if not is_clone(input):
+        return fallback(op, (input,) + (() if dim is None else (dim, keepdim)), {})
+    a = input[0]
+    if dim is None:
+        return _even_ties(input, op(a), dims=None, keepdim=False)
+    values, indices = op(a, dim, keepdim)
+    nd = neg_dim(dim, a.dim())
+    ind = indices if keepdim else indices.unsqueeze(nd)
+    k1 = input.shape[0] - 1
+    got = input[1:].gather(nd, ind.unsqueeze(0).expand(k1, *ind.shape))
+    if not keepdim:
+        got = got.squeeze(nd)
+    vals = torch.cat([values[None], got])
+    idx = indices.unsqueeze(0).expand(vals.shape[0], *indices.shape).clone()
+    return torch.return_types.max((vals, idx)) if op is torch.max else torch.return_types.min((vals, idx))
+
+
+def _even_ties(x, out_a, dims, keepdim):
+    """Tangent of amax/amin: mean of the tangent over the entries tied with the extremum."""
+    a = x[0]
+    if dims is None:
+        mask = (a == out_a).to(a.dtype)
+        d = x[1:] - a
+        t = (d * mask).flatten(1).sum(1) / mask.sum()
+        return torch.cat([out_a.reshape(1), out_a + t])
+    nds = tuple(neg_dim(d, a.dim()) for d in dims)
+    ref = out_a if keepdim else _unsqueeze_all(out_a, nds, a.dim())
+    mask = (a == ref).to(a.dtype)
+    d = x[1:] - a
+    t = (d * mask).sum(nds, keepdim=keepdim) / mask.sum(nds, keepdim=keepdim)
+    return torch.cat([out_a[None], out_a + t])
+
+
+def _unsqueeze_all(t, nds, ndim):
+    for d in sorted(nd + ndim for nd in nds):
+        t = t.unsqueeze(d)
+    return t
+
+
+@register_rule(torch.max, T.max, inplace_kwarg=None)
+def max(input, dim=None, keepdim=False):
+    return _max_min(input, dim, keepdim, op=torch.max)
+
+
+@register_rule(torch.min, T.min, inplace_kwarg=None)
+def min(input, dim=None, keepdim=False):
+    return _max_min(input, dim, keepdim, op=torch.min)
+
+
+def _amax_amin(op):
+    def rule(input, dim=(), keepdim=False):
+        a = input[0]
+        out_a = op(a, dim, keepdim)
+        dims = None if dim in ((), [], None) else ((dim,) if isinstance(dim, int) else tuple(dim))
+        if dims is None:
+            return _even_ties(input, out_a, None, False) if not keepdim else _keep_full(input, out_a)
+        return _even_ties(input, out_a, dims, keepdim)
+
+    return rule
+
+
+def _keep_full(x, out_a):
+    flat = _even_ties(x, out_a.reshape(()), None, False)
+    return flat.reshape(flat.shape[0], *out_a.shape)
+
+
+register_rule(torch.amax, T.amax, inplace_kwarg=None)(_amax_amin(torch.amax))
+register_rule(torch.amin, T.amin, inplace_kwarg=None)(_amax_amin(torch.amin))

@@ -1,0 +1,107 @@
+"""Fused recurrent modules (nn.RNN / nn.LSTM / nn.GRU) unrolled through their cell equations.
+
+The fused kernels hide their nonlinearities, so in clone mode the sequence is run step by step
+with the cell equations below; each op goes through its own clone rule (relu/tanh/sigmoid
+from the primal block, products by the Leibniz rule):
+
+* RNN: ``h' = act(x W_ih^T + b_ih + h W_hh^T + b_hh)``
+* LSTM: ``i, f, g, o = split(x W_ih^T + b_ih + h W_hh^T + b_hh)``; ``c' = s(f) c + s(i) tanh(g)``;
+  ``h' = s(o) tanh(c')`` (then ``h' W_hr^T`` with projections)
+* GRU: ``r = s(.), z = s(.)``, ``n = tanh(x_n + r * (h W_hn^T + b_hn))``, ``h' = (1 - z) n + z h``
+
+Packed sequences are not unrolled: they raise a clear error.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import UnsupportedOpError
+from ..registry import register_handler
+
+
+def _cell(mode, x_proj, h, w_hh, b_hh, w_hr=None):
+    if mode == "lstm":
+        hh, cc = h
+        gates = x_proj + F.linear(hh, w_hh, b_hh)
+        i, f, g, o = gates.chunk(4, -1)
+        c2 = torch.sigmoid(f) * cc + torch.sigmoid(i) * torch.tanh(g)
+        h2 = torch.sigmoid(o) * torch.tanh(c2)
+        if w_hr is not None:
+            h2 = F.linear(h2, w_hr)
+        return h2, (h2, c2)
+    if mode == "gru":
+        gh = F.linear(h, w_hh, b_hh)
+        xr, xz, xn = x_proj.chunk(3, -1)
+        hr, hz, hn = gh.chunk(3, -1)
+        r = torch.sigmoid(xr + hr)
+        z = torch.sigmoid(xz + hz)
+        n = torch.tanh(xn + r * hn)
+        h2 = (1 - z) * n + z * h
+        return h2, h2
+    pre = x_proj + F.linear(h, w_hh, b_hh)
+    h2 = torch.relu(pre) if mode == "rnn_relu" else torch.tanh(pre)
+    return h2, h2
+
+
+def _run(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    if batch_first:
+        input = input.transpose(0, 1)
+    unbatched = input.dim() == 2
+    if unbatched:
+        input = input.unsqueeze(1)
+        hx = tuple(h.unsqueeze(1) for h in hx) if mode == "lstm" else hx.unsqueeze(1)
+    dirs = 2 if bidirectional else 1
+    per = len(params) // (num_layers * dirs)
+    layer_in = input
+    h_n, c_n = [], []
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            w = params[(layer * dirs + d) * per:(layer * dirs + d + 1) * per]
+            w_ih, w_hh = w[0], w[1]
+            b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+            w_hr = w[-1] if mode == "lstm" and per in (3, 5) else None
+            idx = layer * dirs + d
+            state = (hx[0][idx], hx[1][idx]) if mode == "lstm" else hx[idx]
+            x_proj = F.linear(layer_in, w_ih, b_ih)  # all steps at once
+            steps = range(x_proj.shape[0] - 1, -1, -1) if d == 1 else range(x_proj.shape[0])
+            seq = [None] * x_proj.shape[0]
+            for t in steps:
+                y, state = _cell(mode, x_proj[t], state, w_hh, b_hh, w_hr)
+                seq[t] = y
+            outs.append(torch.stack(seq, 0))
+            if mode == "lstm":
+                h_n.append(state[0])
+                c_n.append(state[1])
+            else:
+                h_n.append(state)
+        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        if dropout and train and layer < num_layers - 1:
+            layer_in = F.dropout(layer_in, dropout, True)
+    output = layer_in
+    hn = torch.stack(h_n, 0)
+    cn = torch.stack(c_n, 0) if mode == "lstm" else None
+    if unbatched:
+        output = output.squeeze(1)
+        hn = hn.squeeze(1)
+        cn = cn.squeeze(1) if cn is not None else None
+    if batch_first:
+        output = output.transpose(0, 1)
+    return (output, hn, cn) if mode == "lstm" else (output, hn)
+
+
+def _handler(mode):
+    def handler(func, args, kwargs):
+        if len(args) < 3 or not isinstance(args[2], (list, tuple)):
+            raise UnsupportedOpError(
+                f"jvpreg clone mode: packed sequences in torch.{mode} are not supported; pad the batch "
+                "(torch.nn.utils.rnn.pad_packed_sequence) before the recurrent module."
+            )
+        return _run(mode, *args, **kwargs)
+
+    return handler
+
+
+for _mode in ("rnn_relu", "rnn_tanh", "lstm", "gru"):
+    register_handler(getattr(torch, _mode), reentrant=True)(_handler(_mode))

@@ -1,0 +1,154 @@
+"""Smooth elementwise ops and softmax: first-order expansion at the primal block.
+
+``out_j = sigma(a) + sigma'(a) * (z_j - a)`` — the difference form then carries
+``J u`` exactly (no truncation error: every rule is linear in ``z_j - a``).
+``sigma'(a)`` is built from differentiable ops so that gradients of a penalty on the
+JVP include the second-order terms. Softmax along ``dim``:
+``out_j = p + p * (d_j - sum(p * d_j))``, ``p = softmax(a)``; log_softmax:
+``out_j = out_a + d_j - sum(p * d_j)``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import fallback
+from ..registry import maybe, register_rule
+from ..tensor import is_clone, neg_dim
+
+T = torch.Tensor
+
+
+def def_smooth(funcs, inplace=(), *, primal: Callable, slope: Callable, doc: str):
+    """Register ``out_j = primal(a) + slope(a, out_a) * (z_j - a)`` for an elementwise op."""
+
+    def rule(input, *args, inplace=False, **kwargs):
+        a = input[0]
+        out_a = primal(a, *args, **kwargs)
+        s = slope(a, out_a, *args, **kwargs)
+        return torch.cat([out_a[None], out_a + s * (input[1:] - a)])
+
+    rule.__doc__ = doc
+    rule.__name__ = doc.split("(")[0]
+    return register_rule(*funcs, inplace=inplace)(rule)
+
+
+_sig = torch.sigmoid
+def_smooth([torch.sigmoid, T.sigmoid, F.sigmoid], [torch.sigmoid_, T.sigmoid_],
+           primal=torch.sigmoid, slope=lambda a, o: o * (1 - o), doc="sigmoid'(a) = s (1 - s)")
+def_smooth([torch.tanh, T.tanh, F.tanh], [torch.tanh_, T.tanh_],
+           primal=torch.tanh, slope=lambda a, o: 1 - o * o, doc="tanh'(a) = 1 - tanh(a)^2")
+def_smooth([torch.exp, T.exp], [torch.exp_, T.exp_], primal=torch.exp, slope=lambda a, o: o, doc="exp'(a) = exp(a)")
+def_smooth([torch.log, T.log], [torch.log_, T.log_], primal=torch.log, slope=lambda a, o: 1 / a, doc="log'(a) = 1/a")
+def_smooth([torch.sqrt, T.sqrt], [torch.sqrt_, T.sqrt_], primal=torch.sqrt, slope=lambda a, o: 0.5 / o,
+           doc="sqrt'(a) = 1/(2 sqrt(a))")
+def_smooth([torch.rsqrt, T.rsqrt], [torch.rsqrt_, T.rsqrt_], primal=torch.rsqrt, slope=lambda a, o: -0.5 * o ** 3,
+           doc="rsqrt'(a) = -rsqrt(a)^3 / 2")
+def_smooth([torch.reciprocal, T.reciprocal], [torch.reciprocal_, T.reciprocal_], primal=torch.reciprocal,
+           slope=lambda a, o: -o * o, doc="(1/a)' = -1/a^2")
+def_smooth([torch.sin, T.sin], [torch.sin_, T.sin_], primal=torch.sin, slope=lambda a, o: torch.cos(a),
+           doc="sin'(a) = cos(a)")
+def_smooth([torch.cos, T.cos], [torch.cos_, T.cos_], primal=torch.cos, slope=lambda a, o: -torch.sin(a),
+           doc="cos'(a) = -sin(a)")
+def_smooth([torch.square, T.square], [maybe(torch, "square_"), maybe(T, "square_")], primal=torch.square,
+           slope=lambda a, o: 2 * a, doc="square'(a) = 2a")
+def_smooth([F.silu], [], primal=F.silu, slope=lambda a, o: _sig(a) * (1 + a * (1 - _sig(a))),
+           doc="silu'(a) = s (1 + a (1 - s))")
+def_smooth([F.logsigmoid, maybe(torch._C._nn, "log_sigmoid")], [], primal=F.logsigmoid,
+           slope=lambda a, o: _sig(-a), doc="logsigmoid'(a) = sigmoid(-a)")
+
+
+def _gelu_slope(a, o, approximate="none"):
+    if approximate == "tanh":
+        c = math.sqrt(2 / math.pi)
+        inner = c * (a + 0.044715 * a ** 3)
+        t = torch.tanh(inner)
+        return 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * c * (1 + 3 * 0.044715 * a * a)
+    cdf = 0.5 * (1 + torch.erf(a / math.sqrt(2)))
+    pdf = torch.exp(-0.5 * a * a) / math.sqrt(2 * math.pi)
+    return cdf + a * pdf
+
+
+def_smooth([F.gelu, maybe(torch._C._nn, "gelu")], [maybe(torch._C._nn, "gelu_")], primal=F.gelu, slope=_gelu_slope,
+           doc="gelu'(a) = Phi(a) + a phi(a)")
+
+
+def _softplus_slope(a, o, beta=1.0, threshold=20.0):
+    return torch.where(a * beta > threshold, torch.ones_like(a), torch.sigmoid(a * beta))
+
+
+def_smooth([F.softplus, maybe(torch._C._nn, "softplus")], [], primal=F.softplus, slope=_softplus_slope,
+           doc="softplus'(a) = sigmoid(beta a) (1 above the threshold)")
+
+
+def _elu_primal(a, alpha=1.0, inplace=False):
+    return F.elu(a, alpha)
+
+
+def _elu_slope(a, o, alpha=1.0, inplace=False):
+    return torch.where(a > 0, torch.ones_like(a), o + alpha)
+
+
+def_smooth([F.elu, maybe(torch._C._nn, "elu")], [F.elu_, maybe(torch._C._nn, "elu_")], primal=_elu_primal,
+           slope=_elu_slope, doc="elu'(a) = 1 (a > 0) | alpha exp(a)")
+
+
+@register_rule(F.mish, maybe(torch._C._nn, "mish"), inplace=(maybe(torch._C._nn, "mish_"),))
+def mish(input, inplace=False):
+    """mish'(a) = tanh(sp) + a sigmoid(a) (1 - tanh(sp)^2), sp = softplus(a)."""
+    a = input[0]
+    t = torch.tanh(F.softplus(a))
+    out_a = a * t
+    s = t + a * torch.sigmoid(a) * (1 - t * t)
+    return torch.cat([out_a[None], out_a + s * (input[1:] - a)])
+
+
+@register_rule(torch.pow, T.pow, T.__pow__, inplace=(T.pow_, T.__ipow__), inplace_kwarg=None)
+def pow(input, exponent):
+    """(a^e)' = e a^(e-1) for a constant exponent; other cases use the exact fallback."""
+    if not is_clone(input) or (is_clone(exponent) and not exponent._jvp_state) or torch.is_tensor(exponent):
+        return fallback(torch.pow, (input, exponent), {})
+    a = input[0]
+    out_a = torch.pow(a, exponent)
+    s = exponent * torch.pow(a, exponent - 1) if exponent != 0 else torch.zeros_like(a)
+    return torch.cat([out_a[None], out_a + s * (input[1:] - a)])
+
+
+def _softmax_args(args, kwargs, ndim):
+    dim = args[0] if args else kwargs.get("dim")
+    dtype = kwargs.get("dtype")
+    for a in args[1:]:
+        if isinstance(a, torch.dtype):
+            dtype = a
+    if dim is None:  # legacy implicit dim
+        dim = 0 if ndim in (0, 1, 3) else 1
+    return neg_dim(dim, ndim), dtype
+
+
+def _softmax(log: bool):
+    def rule(input, *args, **kwargs):
+        a = input[0]
+        dim, dtype = _softmax_args(args, kwargs, a.dim())
+        x = input if dtype is None else input.to(dtype)
+        a = x[0]
+        d = x[1:] - a
+        if log:
+            out_a = torch.log_softmax(a, dim)
+            p = out_a.exp()
+            tan = out_a + d - (p * d).sum(dim, keepdim=True)
+        else:
+            out_a = torch.softmax(a, dim)
+            p = out_a
+            tan = p + p * (d - (p * d).sum(dim, keepdim=True))
+        return torch.cat([out_a[None], tan])
+
+    rule.__doc__ = ("log_softmax: out_j = out_a + d_j - sum(p d_j)" if log
+                    else "softmax: out_j = p + p (d_j - sum(p d_j))")
+    return rule
+
+
+register_rule(F.softmax, torch.softmax, T.softmax, maybe(torch, "_softmax"), inplace_kwarg=None)(_softmax(False))
+register_rule(F.log_softmax, torch.log_softmax, T.log_softmax, inplace_kwarg=None)(_softmax(True))

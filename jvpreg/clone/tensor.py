@@ -1,0 +1,124 @@
+"""The clone batch: K blocks of one logical tensor, stored as one physical tensor.
+
+Block layout (stated once, enforced here): a :class:`CloneTensor` of logical shape ``L``
+is stored as a tensor of physical shape ``(K, *L)``. Block 0 is the primal ``a``; block
+``j >= 1`` is ``a + s_j * t_j`` where ``t_j`` is the j-th tangent carried through the
+network and ``s_j`` its scale (difference form, DESIGN.md §1). Every consumer of the
+tensor sees the *logical* shape ``L`` (``x.shape``, ``x.size()``, ``len(x)``, ``x.dim()``),
+exactly as in a plain forward of the primal alone, so user code that builds shapes,
+masks or constants from its inputs behaves as it does without jvpreg. This is what
+makes the engine safe for parameters and constants: only tensors that descend from
+the clone input are ``CloneTensor`` objects, whatever their shape.
+
+Every torch function that receives a ``CloneTensor`` is routed through
+:func:`dispatch`, which picks, in this order: a registered rule (nonlinear ops,
+state computed from block 0), a fast path (affine and shape ops), or the exact
+fallback (``torch.func.jvp`` of that one op at block 0). Inside handlers the
+subclass' torch-function is disabled, so a ``CloneTensor`` behaves as its
+physical ``(K, *L)`` tensor there.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch._C import DisableTorchFunctionSubclass
+
+
+class CloneTensor(torch.Tensor):
+    """K blocks (primal + tangents) of one logical tensor; see the module docstring.
+
+    Do not build one by hand: use :func:`jvpreg.clone.pack` or :func:`jvpreg.jvp`.
+    The attribute ``_jvp_state`` marks tensors whose blocks are all equal (masks,
+    indices, constants derived from the primal); their tangent is zero.
+    """
+
+    _jvp_state: bool = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import dispatch  # late import: dispatch imports this module
+
+        return dispatch(func, args, kwargs or {})
+
+    def __repr__(self, *, tensor_contents=None):  # pragma: no cover - cosmetic
+        with DisableTorchFunctionSubclass():
+            k = self.shape[0]
+            return f"CloneTensor(blocks={k}, logical_shape={tuple(self.shape[1:])}, primal=\n{self[0]!r})"
+
+
+def is_clone(x: Any) -> bool:
+    """True for a :class:`CloneTensor`."""
+    return type(x) is CloneTensor
+
+
+def is_state(x: Any) -> bool:
+    """True for a clone whose blocks are all equal (zero tangent)."""
+    return type(x) is CloneTensor and x._jvp_state
+
+
+def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:
+    """View a physical ``(K, *L)`` tensor as a :class:`CloneTensor`."""
+    with DisableTorchFunctionSubclass():
+        out = phys.as_subclass(CloneTensor)
+    if state:
+        out._jvp_state = True
+    return out
+
+
+def raw(x: torch.Tensor) -> torch.Tensor:
+    """The physical ``(K, *L)`` tensor of a clone as a plain tensor (a view, no copy)."""
+    with DisableTorchFunctionSubclass():
+        return x.as_subclass(torch.Tensor)
+
+
+def tile(t: torch.Tensor, k: int) -> torch.Tensor:
+    """Physical ``(k, *t.shape)`` tensor repeating ``t`` in every block (materialized)."""
+    return t.unsqueeze(0).expand(k, *t.shape).clone()
+
+
+def wrap_tree(out: Any, wrap_fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``wrap_fn`` to every tensor leaf of a (possibly nested) output."""
+    if isinstance(out, torch.Tensor):
+        return wrap_fn(out)
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # namedtuple (torch.return_types)
+        return type(out)(*(wrap_tree(o, wrap_fn) for o in out))
+    if isinstance(out, (list, tuple)):
+        return type(out)(wrap_tree(o, wrap_fn) for o in out)
+    if isinstance(out, dict):
+        return {k: wrap_tree(v, wrap_fn) for k, v in out.items()}
+    return out
+
+
+def iter_clones(tree: Any) -> Iterable[CloneTensor]:
+    """Every :class:`CloneTensor` inside nested lists/tuples/dicts."""
+    if type(tree) is CloneTensor:
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for t in tree:
+            yield from iter_clones(t)
+    elif isinstance(tree, dict):
+        for t in tree.values():
+            yield from iter_clones(t)
+
+
+def neg_dim(dim: int, ndim: int) -> int:
+    """Express a logical dim as a negative index, valid for block 0, tangents and phys alike."""
+    if ndim == 0:
+        if dim in (0, -1):
+            return -1
+        raise IndexError(f"Dimension out of range (expected to be in range of [-1, 0], but got {dim})")
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    return dim - ndim if dim >= 0 else dim
+
+
+def phys_dim(dim: int, ndim: int) -> int:
+    """Physical (non-negative) dim of a ``(K, *L)`` tensor for logical dim ``dim``."""
+    if ndim == 0:
+        return 1
+    return (dim % ndim) + 1 if -ndim <= dim < ndim else _bad_dim(dim, ndim)
+
+
+def _bad_dim(dim: int, ndim: int) -> int:
+    raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
