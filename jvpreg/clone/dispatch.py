@@ -23,6 +23,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .registry import HANDLERS, REENTRANT, op_name
+from . import tensor as tensor_module
 from .tensor import CloneTensor, is_clone, tile, wrap, wrap_tree
 
 
@@ -74,6 +75,9 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
             return handler(func, args, kwargs)
     with DisableTorchFunctionSubclass():
         return generic(func, args, kwargs)
+
+
+tensor_module._DISPATCH[0] = dispatch
 
 
 def _flat_clones(args: tuple, kwargs: dict):

@@ -101,18 +101,19 @@ def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str |
 
     def deco(rule: Callable) -> Callable:
         sig = inspect.signature(rule)
+        names = list(sig.parameters)
         accepts_inplace = inplace_kwarg is not None and inplace_kwarg in sig.parameters
+        pos = names.index(inplace_kwarg) if accepts_inplace else -1
+        if accepts_inplace and sig.parameters[inplace_kwarg].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            pos = -1  # keyword-only
 
         def out_of_place(func, args, kwargs):
             is_ip = False
-            if accepts_inplace and kwargs.get(inplace_kwarg):
-                is_ip = True
-            elif accepts_inplace:
-                try:
-                    bound = sig.bind_partial(*args, **kwargs)
-                    is_ip = bool(bound.arguments.get(inplace_kwarg, False))
-                except TypeError:
-                    is_ip = False
+            if accepts_inplace:
+                if kwargs.get(inplace_kwarg):
+                    is_ip = True
+                elif 0 <= pos < len(args):
+                    is_ip = bool(args[pos])
             return _finish(rule(*args, **kwargs), args, kwargs, is_ip)
 
         def in_place(func, args, kwargs):

