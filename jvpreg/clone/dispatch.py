@@ -105,8 +105,10 @@ def generic(func: Callable, args: tuple, kwargs: dict) -> Any:
         oop = getattr(torch.Tensor, oop_name, None) or getattr(torch, oop_name, None)
         if oop is None:
             raise UnsupportedOpError(f"jvpreg clone mode: no out-of-place form of in-place op {op_name(func)}.")
-        result = dispatch(oop, args, kwargs)
+        from .registry import detached_target
+
         target = args[0]
+        result = dispatch(oop, detached_target(args, kwargs), kwargs)
         if not is_clone(target):
             raise RuntimeError(
                 f"jvpreg clone mode: {op_name(func)} would write batch data into a tensor created outside "

@@ -90,12 +90,24 @@ def _finish(out: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:
     return target
 
 
-def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str | None = "inplace"):
+def detached_target(args: tuple, kwargs: dict, needed: bool = True) -> tuple:
+    """For an in-place call: run the rule on a copy of the target, so nothing the rule saves for
+    backward is a view of the tensor that the in-place write then overwrites."""
+    if not needed or not args or not is_clone(args[0]) or not args[0].requires_grad:
+        return args
+    src = wrap(args[0].clone(), state=args[0]._jvp_state)
+    return (src,) + tuple(args[1:])
+
+
+def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str | None = "inplace",
+                  inplace_safe: bool = False):
     """Register a rule written on blocks for ``funcs`` (and their in-place variants).
 
     The rule is called like the op, with clone arguments seen as physical ``(K, *L)``
     tensors, and returns the physical output(s). In-place variants (listed in
-    ``inplace``, or called with ``inplace=True``) write the result back into the input.
+    ``inplace``, or called with ``inplace=True``) write the result back into the input; the
+    rule then runs on a copy of the input unless ``inplace_safe`` (it saves no view of its
+    input for backward, e.g. ``x * mask`` with a constant mask).
     """
     inplace = tuple(_existing(inplace))
 
@@ -114,11 +126,13 @@ def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str |
                     is_ip = True
                 elif 0 <= pos < len(args):
                     is_ip = bool(args[pos])
-            return _finish(rule(*args, **kwargs), args, kwargs, is_ip)
+            if not is_ip:
+                return _finish(rule(*args, **kwargs), args, kwargs, False)
+            return _finish(rule(*detached_target(args, kwargs, not inplace_safe), **kwargs), args, kwargs, True)
 
         def in_place(func, args, kwargs):
             kwargs = {k: v for k, v in kwargs.items() if k != inplace_kwarg}
-            return _finish(rule(*args, **kwargs), args, kwargs, True)
+            return _finish(rule(*detached_target(args, kwargs, not inplace_safe), **kwargs), args, kwargs, True)
 
         for f in _existing(funcs):
             HANDLERS[f] = out_of_place

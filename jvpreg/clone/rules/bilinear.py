@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import _flat_clones, fallback, per_block
-from ..registry import maybe, register_handler
+from ..registry import detached_target, maybe, register_handler
 from ..structural import align, elementwise, elementwise_inplace
 from ..tensor import CloneTensor, is_clone, wrap
 
@@ -44,7 +44,7 @@ def mul_(func, args, kwargs):
     flat, spec, idx = _flat_clones(args, kwargs)
     if len(_varying_positions(flat, idx)) < 2:
         return elementwise_inplace(func, args, kwargs)
-    out = mul(torch.mul, args[:2], {})
+    out = mul(torch.mul, detached_target(args[:2], {}), {})
     args[0].copy_(out)
     args[0]._jvp_state = False
     return args[0]
@@ -90,7 +90,7 @@ def div_(func, args, kwargs):
     y = args[1] if len(args) > 1 else kwargs["other"]
     if not (is_clone(y) and not y._jvp_state):
         return elementwise_inplace(func, args, kwargs)
-    out = _divide(args[0], y, kwargs)
+    out = _divide(detached_target((args[0],), {})[0], y, kwargs)
     args[0].copy_(out)
     args[0]._jvp_state = False
     return args[0]

@@ -42,14 +42,15 @@ def _clamped(x: torch.Tensor, inside: torch.Tensor, out_a: torch.Tensor) -> torc
     return torch.addcmul(out_a * (1 - m), x, m)
 
 
-@register_rule(F.relu, torch.relu, T.relu, inplace=(F.relu_, torch.relu_, T.relu_))
+@register_rule(F.relu, torch.relu, T.relu, inplace=(F.relu_, torch.relu_, T.relu_), inplace_safe=True)
 def relu(input, inplace=False):
     """relu(z) = 1[a > 0] * z (a float mask: a broadcast torch.where is 20x slower on CPU;
     the only difference from relu is -inf -> nan instead of 0 in the primal block)."""
     return input * (input[0] > 0).to(input.dtype)
 
 
-@register_rule(F.leaky_relu, torch._C._nn.leaky_relu, inplace=(F.leaky_relu_, torch._C._nn.leaky_relu_))
+@register_rule(F.leaky_relu, torch._C._nn.leaky_relu, inplace=(F.leaky_relu_, torch._C._nn.leaky_relu_),
+               inplace_safe=True)
 def leaky_relu(input, negative_slope=0.01, inplace=False):
     """leaky_relu(z) = (1[a > 0] + negative_slope * 1[a <= 0]) * z."""
     a = input[0]
@@ -77,7 +78,7 @@ def prelu(input, weight):
 
 
 @register_rule(torch.abs, T.abs, T.__abs__, maybe(torch, "absolute"), maybe(T, "absolute"),
-               inplace=(torch.abs_, T.abs_, maybe(T, "absolute_")))
+               inplace=(torch.abs_, T.abs_, maybe(T, "absolute_")), inplace_safe=True)
 def abs(input):
     """abs(z) = sign(a) * z (slope 0 at a = 0)."""
     return _with_slope(input, torch.sign(input[0]))

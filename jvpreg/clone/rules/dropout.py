@@ -40,27 +40,27 @@ def _apply(x: torch.Tensor, p: float, training: bool, feature: bool, alpha: bool
     return x * (keep * coef) + shift
 
 
-@register_rule(F.dropout, torch.dropout, inplace=(maybe(torch, "dropout_"),))
+@register_rule(F.dropout, torch.dropout, inplace=(maybe(torch, "dropout_"),), inplace_safe=True)
 def dropout(input, p=0.5, training=True, inplace=False):
     """dropout(z) = m * z / (1 - p) with one Bernoulli mask m for every block."""
     return _apply(input, p, training, feature=False, alpha=False)
 
 
 @register_rule(F.dropout1d, F.dropout2d, F.dropout3d, torch.feature_dropout,
-               inplace=(maybe(torch, "feature_dropout_"),))
+               inplace=(maybe(torch, "feature_dropout_"),), inplace_safe=True)
 def feature_dropout(input, p=0.5, training=True, inplace=False):
     """dropout{1,2,3}d(z) = m[n, c] * z / (1 - p), one mask value per (sample, channel)."""
     return _apply(input, p, training, feature=True, alpha=False)
 
 
-@register_rule(F.alpha_dropout, torch.alpha_dropout, inplace=(maybe(torch, "alpha_dropout_"),))
+@register_rule(F.alpha_dropout, torch.alpha_dropout, inplace=(maybe(torch, "alpha_dropout_"),), inplace_safe=True)
 def alpha_dropout(input, p=0.5, training=False, inplace=False):
     """alpha_dropout(z) = m c z + (m - 1) alpha c + alpha c p (SELU-preserving affine dropout)."""
     return _apply(input, p, training, feature=False, alpha=True)
 
 
 @register_rule(F.feature_alpha_dropout, torch.feature_alpha_dropout,
-               inplace=(maybe(torch, "feature_alpha_dropout_"),))
+               inplace=(maybe(torch, "feature_alpha_dropout_"),), inplace_safe=True)
 def feature_alpha_dropout(input, p=0.5, training=False, inplace=False):
     """feature_alpha_dropout: alpha dropout with one mask value per (sample, channel)."""
     return _apply(input, p, training, feature=True, alpha=True)
