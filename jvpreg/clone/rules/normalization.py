@@ -173,3 +173,62 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     if db is not None:
         dn = dn + db.reshape(k1, *ch(b0).shape)
     return torch.cat([out_a[None], out_a + dn])
+
+
+def _sync_batch_norm_rule(args, kwargs):
+    """SyncBatchNorm across ranks: statistics of the primal blocks of all ranks (sums all-reduced,
+    differentiably), running statistics updated once from them, tangents linearised with the
+    global means of ``d`` and ``d * xhat``."""
+    from torch.distributed.nn.functional import all_reduce
+
+    names = ("input", "weight", "bias", "running_mean", "running_var", "eps", "momentum", "process_group",
+             "world_size")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    x, weight, bias = bound["input"], bound["weight"], bound["bias"]
+    rm, rv, eps, momentum, group = (bound["running_mean"], bound["running_var"], bound["eps"], bound["momentum"],
+                                    bound["process_group"])
+    a = x[0]
+    c = a.shape[1]
+    dims = (0,) + tuple(range(2, a.dim()))
+    count = torch.full((1,), a.numel() // c, dtype=a.dtype, device=a.device)
+    stats = all_reduce(torch.cat([a.sum(dims), (a * a).sum(dims), count]), group=group)
+    n = stats[-1]
+    mean = stats[:c] / n
+    var = stats[c:2 * c] / n - mean * mean
+    ch = lambda p: _channel_view(p, a.dim())
+    rstd = torch.rsqrt(ch(var) + eps)
+    xhat = (a - ch(mean)) * rstd
+    w0, b0 = _primal(weight), _primal(bias)
+    out_a = xhat if w0 is None else xhat * ch(w0)
+    out_a = out_a if b0 is None else out_a + ch(b0)
+    if rm is not None:
+        with torch.no_grad():
+            rm.mul_(1 - momentum).add_(mean.detach() * momentum)
+            rv.mul_(1 - momentum).add_(var.detach() * (n / (n - 1)) * momentum)
+    k1 = x.shape[0] - 1
+    d = x[1:] - a
+    ddims = (1,) + tuple(i + 1 for i in dims[1:])
+    sums = all_reduce(torch.cat([d.sum(ddims).flatten(), (d * xhat).sum(ddims).flatten()]), group=group)
+    md = sums[: k1 * c].reshape(k1, 1, c, *([1] * (a.dim() - 2))) / n
+    mdx = sums[k1 * c:].reshape(k1, 1, c, *([1] * (a.dim() - 2))) / n
+    g = rstd if w0 is None else rstd * ch(w0)
+    tan = out_a + g * (d - md - xhat * mdx)
+    dw, db = _delta(weight), _delta(bias)
+    if dw is not None:
+        tan = tan + xhat * dw.reshape(k1, *ch(w0).shape)
+    if db is not None:
+        tan = tan + db.reshape(k1, *ch(b0).shape)
+    from ..tensor import wrap
+
+    return wrap(torch.cat([out_a[None], tan]))
+
+
+try:  # the autograd.Function behind nn.SyncBatchNorm (world size > 1)
+    from torch.nn.modules._functions import SyncBatchNorm as _SyncBatchNormFunction
+
+    from ..functions import register_function_rule
+
+    register_function_rule(_SyncBatchNormFunction)(_sync_batch_norm_rule)
+except ImportError:  # pragma: no cover - very old torch
+    pass
