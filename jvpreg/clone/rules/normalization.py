@@ -99,13 +99,34 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         if db is not None:
             tan = tan + db.reshape(db.shape[0], *ch(db[0]).shape)
         return torch.cat([out_a[None], tan])
-    out_a = F.batch_norm(a, running_mean, running_var, w0, b0, True, momentum, eps)
-    dims = (0,) + tuple(range(2, a.dim()))
-    var, mean = torch.var_mean(a, dim=dims, correction=0, keepdim=True)
-    rstd = torch.rsqrt(var + eps)
-    xhat = (a - mean) * rstd
-    red = tuple(d - a.dim() for d in dims)
-    return linearized_norm(input, out_a, xhat, rstd, red, weight, bias, ch)
+    # One fused kernel each way: the primal forward (running statistics updated once, from the primal
+    # block), and the tangent, which is batch norm's own input-gradient formula applied to d_j.
+    out_a, mean, invstd = torch.native_batch_norm(a, w0, b0, running_mean, running_var, True,
+                                                  0.0 if momentum is None else momentum, eps)
+    return _bn_tangents(input, a, out_a, mean, invstd, weight, bias, eps, ch)
+
+
+def _bn_tangents(x, a, out_a, mean, invstd, weight, bias, eps, ch):
+    """``out_j = out_a + BN_backward(d_j) + xhat * dgamma_j + dbeta_j`` with the primal statistics."""
+    w0 = _primal(weight)
+    k = next(t.shape[0] for t in (x, weight, bias) if is_clone(t))
+    d = _delta(x)
+    tans = []
+    for j in range(k - 1):
+        t = out_a
+        if d is not None:
+            t = t + torch.ops.aten.native_batch_norm_backward(
+                d[j], a, w0, None, None, mean, invstd, True, eps, [True, False, False])[0]
+        tans.append(t)
+    dw, db = _delta(weight), _delta(bias)
+    if dw is not None or db is not None:
+        xhat = (a - ch(mean)) * ch(invstd)
+        for j in range(k - 1):
+            if dw is not None:
+                tans[j] = tans[j] + xhat * ch(dw[j])
+            if db is not None:
+                tans[j] = tans[j] + ch(db[j])
+    return torch.stack([out_a] + tans)
 
 
 @register_rule(torch.batch_norm)
