@@ -73,8 +73,36 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
             return handler(func, args, kwargs)
         with DisableTorchFunctionSubclass():
             return handler(func, args, kwargs)
+    body = decomposition(func)
+    if body is not None:  # a Python-level torch op: run its body op by op on the clone batch
+        return body(*args, **kwargs)
     with DisableTorchFunctionSubclass():
         return generic(func, args, kwargs)
+
+
+_DECOMPOSED: dict = {}
+
+
+def decomposition(func: Callable) -> Callable | None:
+    """For a Python function of ``torch.nn.functional`` guarded by ``has_torch_function`` (softsign,
+    normalize, local_response_norm, losses...), a copy with the guard off, so that its body runs op
+    by op through the clone rules; ``None`` for anything else."""
+    try:
+        return _DECOMPOSED[func]
+    except (KeyError, TypeError):
+        pass
+    body = None
+    code = getattr(func, "__code__", None)
+    if (code is not None and getattr(func, "__module__", None) == "torch.nn.functional"
+            and any(n.startswith("has_torch_function") for n in code.co_names)):
+        from .rules.attention import _without_torch_function_guard
+
+        body = _without_torch_function_guard(func)
+    try:
+        _DECOMPOSED[func] = body
+    except TypeError:
+        pass
+    return body
 
 
 tensor_module._DISPATCH[0] = dispatch
@@ -174,6 +202,13 @@ def _set_rng_state(state, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """Expanded (stride-0) views cannot become dual tensors: materialise them."""
+    if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+        return t.contiguous()
+    return t
+
+
 def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Exact per-op linearisation at block 0 with ``torch.func.jvp`` (see module docstring)."""
     flat, spec, idx = _flat_clones(args, kwargs)
@@ -207,7 +242,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
             fl = (xs[0].sum() * 0,)
         return fl, out
 
-    primals = tuple(flat[i][0] for i in diff)
+    primals = tuple(_dense(flat[i][0]) for i in diff)
     device = primals[0].device
     rng = _rng_state(device) if k > 2 else None
     tangent_outs = []
@@ -216,7 +251,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
         for j in range(1, k):
             if rng is not None:
                 _set_rng_state(rng, device)
-            tangents = tuple(flat[i][j] - flat[i][0] for i in diff)
+            tangents = tuple(_dense(flat[i][j] - flat[i][0]) for i in diff)
             _, t_fl, out = torch.func.jvp(g, primals, tangents, has_aux=True)
             if out0 is None:
                 out0 = out

@@ -434,6 +434,27 @@ def _block_index(idx: Any, j: int) -> Any:
     return idx
 
 
+@register_handler(T.__iter__)
+def _iter(func, args, kwargs):
+    x = args[0]
+    if _lnd(x) == 0:
+        raise TypeError("iteration over a 0-d tensor")
+    return iter(tuple(wrap(t, state=x._jvp_state) for t in x.as_subclass(torch.Tensor).unbind(1)))
+
+
+# Affine in the batch tensor for fixed indices/masks (index tensors may be state clones): per block.
+_PER_BLOCK = [
+    "gather", "index_select", "take_along_dim", "scatter", "scatter_add", "index_add", "index_copy",
+    "index_fill", "masked_scatter", "masked_select", "take", "roll", "flip", "fliplr", "flipud", "rot90",
+    "tril", "triu", "diagonal", "diag", "diag_embed", "repeat", "repeat_interleave", "tile", "narrow_copy",
+    "unfold", "trace", "diff", "index_put", "block_diag", "atleast_1d", "atleast_2d", "atleast_3d",
+    "conj", "real", "imag", "view_as_real", "view_as_complex", "nan_to_num", "column_stack", "row_stack",
+    "broadcast_tensors", "broadcast_to",
+]
+register_handler(*[maybe(torch, n) for n in _PER_BLOCK], *[maybe(T, n) for n in _PER_BLOCK])(
+    lambda func, args, kwargs: per_block(func, args, kwargs))
+
+
 @register_handler(T.__getitem__)
 def _getitem(func, args, kwargs):
     x, idx = args[0], args[1]
