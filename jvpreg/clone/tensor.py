@@ -58,6 +58,18 @@ def is_state(x: Any) -> bool:
     return type(x) is CloneTensor and x._jvp_state
 
 
+def primal_block(t: Any) -> Any:
+    """Block 0 of a clone; anything else unchanged."""
+    return t[0] if type(t) is CloneTensor else t
+
+
+def delta_blocks(t: Any) -> torch.Tensor | None:
+    """``block_j - block_0`` for j >= 1 of a varying clone; ``None`` for constants and state."""
+    if type(t) is CloneTensor and not t._jvp_state:
+        return t[1:] - t[0]
+    return None
+
+
 def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:
     """View a physical ``(K, *L)`` tensor as a :class:`CloneTensor`."""
     if type(phys) is CloneTensor:

@@ -18,17 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import register_handler, register_rule
-from ..tensor import is_clone
+from ..tensor import delta_blocks, is_clone, primal_block
 
 
-def _primal(t):
-    return t[0] if is_clone(t) else t
-
-
-def _delta(t):
-    if is_clone(t) and not t._jvp_state:
-        return t[1:] - t[0]
-    return None
+_primal, _delta = primal_block, delta_blocks
 
 
 def _repeat_kv(t, n_rep):

@@ -20,18 +20,10 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import register_rule
-from ..tensor import is_clone, tile
+from ..tensor import delta_blocks, is_clone, primal_block, tile
 
 
-def _primal(t):
-    return t[0] if is_clone(t) else t
-
-
-def _delta(t):
-    """Tangent blocks minus the primal (``None`` for constants and state)."""
-    if is_clone(t) and not t._jvp_state:
-        return t[1:] - t[0]
-    return None
+_primal, _delta = primal_block, delta_blocks
 
 
 def _channel_view(p: torch.Tensor, ndim: int, channel_dim: int = 1) -> torch.Tensor:
