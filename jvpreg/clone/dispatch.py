@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .registry import HANDLERS, REENTRANT, op_name
 from . import tensor as tensor_module
@@ -57,7 +57,15 @@ def fallback_mode(mode: str):
         _FALLBACK["mode"] = old
 
 
-def _how_to_register(name: str) -> str:
+def _how_to_register(func: Callable, name: str) -> str:
+    function_cls = getattr(func, "function_cls", None)
+    if function_cls is not None:  # a custom autograd.Function
+        return (
+            f"Give {function_cls.__qualname__} `setup_context` and `jvp` staticmethods (torch.func support). Or "
+            f"Register a clone rule for it: `@jvpreg.clone.register_function_rule({function_cls.__qualname__})` "
+            "on a function `(args, kwargs)` "
+            "that returns the clone output; see jvpreg/clone/rules/normalization.py (SyncBatchNorm) for an example."
+        )
     return (
         f"Register a clone rule for it: `@jvpreg.clone.register_rule({name})` on a function that "
         "takes the op's arguments (clone arguments arrive as (K, *shape) tensors: block 0 is the "
@@ -66,7 +74,17 @@ def _how_to_register(name: str) -> str:
     )
 
 
+def _is_getter(func: Callable) -> bool:
+    self_obj = getattr(func, "__self__", None)
+    return getattr(func, "__name__", "") == "__get__" and type(self_obj).__name__ == "getset_descriptor"
+
+
 def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
+    if kwargs and kwargs.get("out") is not None:
+        raise UnsupportedOpError(
+            f"jvpreg clone mode: {op_name(func)}(..., out=...) is not supported; use the out-of-place form "
+            "(a batch tensor cannot be written into a preallocated `out`)."
+        )
     handler = HANDLERS.get(func)
     if handler is not None:
         if func in REENTRANT:
@@ -77,6 +95,8 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
     if body is not None:  # a Python-level torch op: run its body op by op on the clone batch
         return body(*args, **kwargs)
     with DisableTorchFunctionSubclass():
+        if _is_getter(func):  # attributes not listed elsewhere (is_nested, ...): the primal's answer
+            return func(args[0][0])
         return generic(func, args, kwargs)
 
 
@@ -93,7 +113,7 @@ def decomposition(func: Callable) -> Callable | None:
         pass
     body = None
     code = getattr(func, "__code__", None)
-    if (code is not None and getattr(func, "__module__", None) == "torch.nn.functional"
+    if (code is not None and getattr(func, "__module__", None) in ("torch.nn.functional", "torch.functional")
             and any(n.startswith("has_torch_function") for n in code.co_names)):
         from .rules.attention import _without_torch_function_guard
 
@@ -202,6 +222,24 @@ def _set_rng_state(state, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
+def _forward_ad_checked(g: Callable, primals: tuple, tangents: tuple, name: str):
+    """Forward-mode AD of a registered operator, refusing outputs that carry no tangent at all: a
+    custom op without an autograd formula would otherwise look like a constant (zero JVP)."""
+    from torch.autograd import forward_ad as fwAD
+
+    with fwAD.dual_level():
+        fl, out = g(*(fwAD.make_dual(p, t) for p, t in zip(primals, tangents)))
+        unpacked = [fwAD.unpack_dual(f) for f in fl]
+        if any(u.tangent is None for u in unpacked):
+            raise UnsupportedOpError(
+                f"jvpreg clone mode: {name} has no forward-mode derivative (no autograd formula is registered "
+                "for it), so its JVP is unknown."
+            )
+        t_fl = tuple(u.tangent for u in unpacked)
+        out = tree_map(lambda l: fwAD.unpack_dual(l).primal if isinstance(l, torch.Tensor) else l, out)
+    return t_fl, out
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """Expanded (stride-0) views cannot become dual tensors: materialise them."""
     if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
@@ -227,7 +265,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     if _FALLBACK["mode"] == "error":
         raise UnsupportedOpError(
             f"jvpreg clone mode has no rule for {name} and the fallback is disabled "
-            f"(jvpreg.clone.set_fallback('error')). {_how_to_register(name)}"
+            f"(jvpreg.clone.set_fallback('error')). {_how_to_register(func, name)}"
         )
 
     def g(*xs):
@@ -252,16 +290,19 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
             if rng is not None:
                 _set_rng_state(rng, device)
             tangents = tuple(_dense(flat[i][j] - flat[i][0]) for i in diff)
-            _, t_fl, out = torch.func.jvp(g, primals, tangents, has_aux=True)
+            if isinstance(func, torch._ops.OpOverload) or isinstance(func, torch._ops.OpOverloadPacket):
+                t_fl, out = _forward_ad_checked(g, primals, tangents, name)
+            else:
+                _, t_fl, out = torch.func.jvp(g, primals, tangents, has_aux=True)
             if out0 is None:
                 out0 = out
             tangent_outs.append(t_fl)
-    except UnsupportedOpError:
-        raise
+    except UnsupportedOpError as err:
+        raise UnsupportedOpError(f"{err} {_how_to_register(func, name)}") from err
     except Exception as err:  # no forward-mode formula, or the op refuses dual tensors
         raise UnsupportedOpError(
             f"jvpreg clone mode has no rule for {name}, and its exact fallback "
-            f"(torch.func.jvp of that op) failed: {type(err).__name__}: {err}. {_how_to_register(name)}"
+            f"(torch.func.jvp of that op) failed: {type(err).__name__}: {err}. {_how_to_register(func, name)}"
         ) from err
 
     leaves, ospec = tree_flatten(out0)
@@ -271,7 +312,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
         _WARNED.add(name)
         warnings.warn(
             f"jvpreg: no clone rule for {name}; using the exact torch.func.jvp fallback, which is "
-            f"slower. {_how_to_register(name)}",
+            f"slower. {_how_to_register(func, name)}",
             JVPFallbackWarning,
             stacklevel=4,
         )

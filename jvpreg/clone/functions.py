@@ -37,6 +37,7 @@ class _FunctionCall:
 
     def __init__(self, cls: type, orig: Callable):
         self.cls, self.orig = cls, orig
+        self.function_cls = cls
         self.__qualname__ = f"{cls.__qualname__}.apply"
         self.__name__ = "apply"
         self.__module__ = cls.__module__

@@ -41,22 +41,30 @@ REENTRANT: set = set()  # handlers that run with torch-function enabled (decompo
 
 
 def op_name(func: Any) -> str:
-    """A readable name for a torch function, e.g. ``torch.nn.functional.relu``."""
+    """A valid Python name for a torch function, e.g. ``torch.nn.functional.relu``, ``torch.atan``,
+    ``torch.Tensor.relu_``, ``torch.ops.mylib.op.default``."""
+    import torch.nn.functional as F
+
+    if isinstance(func, torch._ops.OpOverload):
+        ns, rest = str(func).split(".", 1)
+        return f"torch.ops.{ns}.{rest}"
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return f"torch.ops.{func._qualified_op_name.replace('::', '.')}"
     self_obj = getattr(func, "__self__", None)
-    if self_obj is not None and type(self_obj).__name__ == "getset_descriptor":
+    if getattr(func, "__name__", "") == "__get__" and type(self_obj).__name__ == "getset_descriptor":
         return f"torch.Tensor.{self_obj.__name__} (attribute)"
-    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-    mod = getattr(func, "__module__", None)
-    if mod in (None, "torch._C", "torch._C._VariableFunctions"):
-        mod = "torch"
-    if qual.startswith("TensorBase.") or qual.startswith("_TensorBase."):
-        qual = "Tensor." + qual.split(".", 1)[1]
-        mod = "torch"
-    if mod == "torch._C._nn":
-        mod = "torch._C._nn"
-    if mod == "torch._tensor":
-        mod = "torch"
-    return f"{mod}.{qual}"
+    if getattr(func, "function_cls", None) is not None:
+        cls = func.function_cls
+        return f"{cls.__module__}.{cls.__qualname__}.apply"
+    name = getattr(func, "__name__", None)
+    if name:
+        for prefix, ns in (("torch", torch), ("torch.nn.functional", F), ("torch.Tensor", torch.Tensor),
+                           ("torch._C._nn", torch._C._nn), ("torch.special", torch.special),
+                           ("torch.linalg", torch.linalg), ("torch.fft", torch.fft)):
+            if getattr(ns, name, None) is func:
+                return f"{prefix}.{name}"
+    qual = getattr(func, "__qualname__", None) or name or repr(func)
+    return f"{getattr(func, '__module__', None) or 'torch'}.{qual}"
 
 
 def _existing(funcs: Iterable[Any]) -> list:

@@ -83,9 +83,15 @@ def _on_phys(func, args, kwargs):
 
 register_handler(
     T.to, T.float, T.double, T.half, T.bfloat16, T.cpu, maybe(T, "cuda"), T.type, T.contiguous,
-    T.clone, torch.clone, T.detach, torch.detach, T.requires_grad_, maybe(T, "pin_memory"),
-    T.data.__get__, T.retain_grad, T.register_hook,
+    T.clone, torch.clone, T.requires_grad_, maybe(T, "pin_memory"), T.retain_grad, T.register_hook,
 )(_on_phys)
+
+
+@register_handler(T.detach, torch.detach, T.data.__get__)
+def _detach(func, args, kwargs):
+    """``detach()`` makes a constant: the primal value in every block (zero tangent), as in torch.func."""
+    x = args[0]
+    return wrap(tile(x[0].detach(), x.shape[0]), state=True)
 
 
 @register_handler(T.type_as)
@@ -96,8 +102,12 @@ def _type_as(func, args, kwargs):
 
 @register_handler(T.detach_)
 def _detach_(func, args, kwargs):
-    args[0].detach_()
-    return args[0]
+    x = args[0]
+    x.detach_()
+    with torch.no_grad():
+        x[1:] = x[0]
+    x._jvp_state = True
+    return x
 
 
 # ---------------------------------------------------------------------------------------

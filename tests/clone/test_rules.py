@@ -175,23 +175,6 @@ def cases(settings: list) -> pytest.MarkDecorator:
     return pytest.mark.parametrize("setting", params)
 
 
-# Known engine bugs (strict xfails; see the report). One string per bug, shared by its cases.
-BUG_CLAMP_TWO_BATCH_BOUNDS = ("clamp with batch-tensor min AND max: the max step treats the physical output of "
-                              "the min step as a constant, output shape (K, B, ...) instead of (B, ...)")
-BUG_CLAMP_SCALAR_BOUNDS = ("clamp with scalar bounds has slope 1 at the bound; torch (forward and backward) "
-                           "has slope 0 there")
-BUG_CLAMP_CONST_TENSOR_TIES = ("clamp with constant tensor bounds has slope 1 at a bound; torch splits the tie "
-                               "0.5/0.5 as for maximum/minimum")
-BUG_HARDSWISH_KINK = "hardswish slope at x = -3 / 3 is -0.5 / 1.5; torch's is 0 / 1"
-BUG_PRELU_KINK = ("prelu slope at 0 is the weight; torch.func.jvp's (forward formula where(x >= 0, ...)) is 1 "
-                  "(torch's backward uses the weight: torch itself is inconsistent)")
-BUG_INSTANCENORM_EVAL = ("InstanceNorm with running stats in eval mode (use_input_stats=False) has no rule and "
-                         "falls back, though it is affine")
-BUG_MHA_IS_NESTED = ("nn.MultiheadAttention reads query.is_nested, an attribute query with no handler; the "
-                     "fallback then fails on its bool output (UnsupportedOpError in every fallback mode)")
-BUG_BADDBMM = ("torch.baddbmm(mask, q, k^T) with two batch factors (MHA need_weights=True with attn_mask) has no "
-               "rule and needs the torch.func fallback")
-
 
 # ----------------------------------------------------------------------------- CPA elementwise
 
@@ -261,7 +244,7 @@ CPA_SETTINGS = [
      "input_shape": VEC},
     {"id": "clamp-batch-tensor-min", "func": lambda x: x.clamp(min=x.sin() - 0.3), "input_shape": VEC},
     {"id": "clamp-batch-tensor-both", "func": lambda x: torch.clamp(x, min=x.sin() - 1, max=x.cos() + 1),
-     "input_shape": IMG, "input": randn(2.0), "xfail": BUG_CLAMP_TWO_BATCH_BOUNDS},
+     "input_shape": IMG, "input": randn(2.0)},
     # maximum / minimum
     {"id": "maximum-two-batch", "func": lambda x: torch.maximum(x, x.sin()), "input_shape": IMG},
     {"id": "minimum-two-batch", "func": lambda x: torch.minimum(x, x * x), "input_shape": IMG},
@@ -441,8 +424,7 @@ NORM_SETTINGS = [
      "module": lambda: randomized(nn.InstanceNorm1d(3, affine=True, track_running_stats=True)),
      "input_shape": (2, 3, 6), "train": True, "ref": "forward_ad"},
     {"id": "instancenorm2d-running-stats-eval",
-     "module": lambda: randomized(nn.InstanceNorm2d(3, track_running_stats=True)), "input_shape": IMG,
-     "xfail": BUG_INSTANCENORM_EVAL},
+     "module": lambda: randomized(nn.InstanceNorm2d(3, track_running_stats=True)), "input_shape": IMG},
     # LayerNorm / GroupNorm
     {"id": "layernorm-last", "module": lambda: randomized(nn.LayerNorm(5)), "input_shape": (2, 3, 5)},
     {"id": "layernorm-two-dims", "module": lambda: randomized(nn.LayerNorm((3, 5))), "input_shape": (2, 3, 5)},
@@ -628,20 +610,18 @@ def mha(batch_first: bool, need_weights: bool, attn_mask: bool = False, function
 
 ATTENTION_SETTINGS += [
     {"id": f"mha-batch_first={bf}-need_weights={nw}", "module": mha(bf, nw),
-     "input_shape": (2, 4, 6) if bf else (4, 2, 6), "xfail": BUG_MHA_IS_NESTED}
+     "input_shape": (2, 4, 6) if bf else (4, 2, 6)}
     for bf in (True, False) for nw in (True, False)
 ] + [
-    {"id": "mha-float-mask-no-weights", "module": mha(True, False, attn_mask=True), "input_shape": (2, 4, 6),
-     "xfail": BUG_MHA_IS_NESTED},
-    {"id": "mha-float-mask-need-weights", "module": mha(True, True, attn_mask=True), "input_shape": (2, 4, 6),
-     "xfail": BUG_MHA_IS_NESTED},
+    {"id": "mha-float-mask-no-weights", "module": mha(True, False, attn_mask=True), "input_shape": (2, 4, 6)},
+    {"id": "mha-float-mask-need-weights", "module": mha(True, True, attn_mask=True), "input_shape": (2, 4, 6)},
     # the functional form the module calls: its numerics are testable while the module is not
     {"id": "mha-functional-need_weights", "module": mha(False, True, functional=True), "input_shape": (4, 2, 6)},
     {"id": "mha-functional-no-weights", "module": mha(False, False, functional=True), "input_shape": (4, 2, 6)},
     {"id": "mha-functional-float-mask-no-weights", "module": mha(False, False, attn_mask=True, functional=True),
      "input_shape": (4, 2, 6)},
     {"id": "mha-functional-float-mask-need-weights", "module": mha(False, True, attn_mask=True, functional=True),
-     "input_shape": (4, 2, 6), "xfail": BUG_BADDBMM},
+     "input_shape": (4, 2, 6)},
 ]
 
 
@@ -714,33 +694,30 @@ KINK_SETTINGS = [
     {"id": "relu-module-inplace-at-0", "module": lambda: nn.ReLU(inplace=True), "input_shape": IMG,
      "input": with_kinks(0.0)},
     {"id": "relu-all-zero", "func": torch.relu, "input_shape": VEC, "input": lambda s: torch.zeros(s, dtype=D)},
-    {"id": "clamp-min0-at-0", "func": lambda x: x.clamp(min=0), "input_shape": VEC, "input": with_kinks(0.0),
-     "xfail": BUG_CLAMP_SCALAR_BOUNDS},
+    {"id": "clamp-min0-at-0", "func": lambda x: x.clamp(min=0), "input_shape": VEC, "input": with_kinks(0.0)},
     {"id": "abs-at-0", "func": torch.abs, "input_shape": IMG, "input": with_kinks(0.0)},
     {"id": "leaky_relu-at-0", "func": lambda x: F.leaky_relu(x, 0.2), "input_shape": IMG, "input": with_kinks(0.0)},
-    {"id": "prelu-at-0", "module": lambda: prelu(3), "input_shape": IMG, "input": with_kinks(0.0),
-     "xfail": BUG_PRELU_KINK},
+    {"id": "prelu-at-0", "module": lambda: prelu(3), "input_shape": IMG, "input": with_kinks(0.0)},
     {"id": "hardtanh-at-bounds", "func": F.hardtanh, "input_shape": IMG, "input": with_kinks(-1.0, 1.0)},
     {"id": "hardtanh-custom-bounds", "module": lambda: nn.Hardtanh(-0.5, 2.0), "input_shape": IMG,
      "input": with_kinks(-0.5, 2.0)},
     {"id": "relu6-at-0-and-6", "module": lambda: nn.ReLU6(), "input_shape": IMG, "input": with_kinks(0.0, 6.0)},
     {"id": "clamp-at-scalar-bounds", "func": lambda x: torch.clamp(x, -0.5, 0.5), "input_shape": IMG,
-     "input": with_kinks(-0.5, 0.5), "xfail": BUG_CLAMP_SCALAR_BOUNDS},
+     "input": with_kinks(-0.5, 0.5)},
     {"id": "clamp-inplace-at-bounds", "func": lambda x: x.clamp_(-0.5, 0.5), "input_shape": VEC,
-     "input": with_kinks(-0.5, 0.5), "xfail": BUG_CLAMP_SCALAR_BOUNDS},
+     "input": with_kinks(-0.5, 0.5)},
     {"id": "clamp-constant-tensor-bounds-at-bounds",
      "func": lambda x: torch.clamp(x, min=torch.full((5,), -0.5, dtype=D), max=torch.full((5,), 0.5, dtype=D)),
-     "input_shape": VEC, "input": with_kinks(-0.5, 0.5), "xfail": BUG_CLAMP_CONST_TENSOR_TIES},
+     "input_shape": VEC, "input": with_kinks(-0.5, 0.5)},
     {"id": "clamp-batch-min-tie", "func": lambda x: x.clamp(min=2 * x), "input_shape": VEC,
      "input": with_kinks(0.0)},
     {"id": "clamp-batch-min-max-tie", "func": lambda x: torch.clamp(x, min=2 * x, max=x + 1), "input_shape": VEC,
-     "input": with_kinks(0.0), "xfail": BUG_CLAMP_TWO_BATCH_BOUNDS},
+     "input": with_kinks(0.0)},
     {"id": "threshold-at-threshold", "func": lambda x: F.threshold(x, 0.5, -3.0), "input_shape": IMG,
      "input": with_kinks(0.5)},
     {"id": "hardsigmoid-at-3", "func": F.hardsigmoid, "input_shape": IMG, "input": with_kinks(-3.0, 3.0, scale=4),
      "rtol": 1e-7},  # float32 1/6 in torch's kernel, see SMOOTH_SETTINGS
-    {"id": "hardswish-at-3", "func": F.hardswish, "input_shape": IMG, "input": with_kinks(-3.0, 3.0, scale=4),
-     "xfail": BUG_HARDSWISH_KINK},
+    {"id": "hardswish-at-3", "func": F.hardswish, "input_shape": IMG, "input": with_kinks(-3.0, 3.0, scale=4)},
     {"id": "elu-at-0", "module": lambda: nn.ELU(alpha=0.5), "input_shape": IMG, "input": with_kinks(0.0)},
     {"id": "softplus-at-threshold", "module": lambda: nn.Softplus(beta=2.0, threshold=1.0), "input_shape": IMG,
      "input": with_kinks(0.5)},
@@ -786,13 +763,11 @@ KINK_SLOPES = [
     {"id": "hardsigmoid", "func": F.hardsigmoid, "slopes": [1 / 6, 1 / 6, 1 / 6, 0, 0, 0]},
     {"id": "maximum", "func": lambda z: torch.maximum(z, torch.zeros_like(z)), "slopes": [0, 0.5, 1, 1, 0, 1]},
     {"id": "minimum", "func": lambda z: torch.minimum(z, torch.ones_like(z)), "slopes": [1, 1, 0.5, 0, 1, 0]},
-    {"id": "clamp-scalar", "func": lambda z: z.clamp(-1, 1), "slopes": [0, 1, 0, 0, 0, 0],
-     "xfail": BUG_CLAMP_SCALAR_BOUNDS},
+    {"id": "clamp-scalar", "func": lambda z: z.clamp(-1, 1), "slopes": [0, 1, 0, 0, 0, 0]},
     {"id": "clamp-tensor", "func": lambda z: z.clamp(torch.tensor(-1.0, dtype=D), torch.tensor(1.0, dtype=D)),
-     "slopes": [0.5, 1, 0.5, 0, 0, 0], "xfail": BUG_CLAMP_CONST_TENSOR_TIES},
-    {"id": "hardswish", "func": F.hardswish, "slopes": [1 / 6, 0.5, 5 / 6, 1, 0, 1], "xfail": BUG_HARDSWISH_KINK},
-    {"id": "prelu", "func": lambda z: F.prelu(z, torch.tensor([0.1], dtype=D)), "slopes": [0.1, 1, 1, 1, 0.1, 1],
-     "xfail": BUG_PRELU_KINK},
+     "slopes": [0.5, 1, 0.5, 0, 0, 0]},
+    {"id": "hardswish", "func": F.hardswish, "slopes": [1 / 6, 0.5, 5 / 6, 1, 0, 1]},
+    {"id": "prelu", "func": lambda z: F.prelu(z, torch.tensor([0.1], dtype=D)), "slopes": [0.1, 1, 1, 1, 0.1, 1]},
 ]
 
 

@@ -143,15 +143,23 @@ def rmatmul(func, args, kwargs):
     return matmul(torch.matmul, (args[1], args[0]), {})
 
 
-@register_handler(torch.baddbmm, T.baddbmm, torch.addmm, T.addmm, torch.addbmm, maybe(torch, "addmv"),
-                  torch.addcmul, T.addcmul, torch.addcdiv, T.addcdiv)
+def _scaled(t, c):
+    return t if c == 1 else t * c
+
+
+@register_handler(torch.baddbmm, T.baddbmm, torch.addmm, T.addmm, torch.addbmm, T.addbmm, maybe(torch, "addmv"),
+                  maybe(T, "addmv"), torch.addcmul, T.addcmul, torch.addcdiv, T.addcdiv, reentrant=True)
 def add_product(func, args, kwargs):
-    """input + beta/value * (product of two operands): affine + bilinear; exact via the fallback
-    when both factors vary, else per block."""
-    flat, spec, idx = _flat_clones(args, kwargs)
-    var = _varying_positions(flat, idx)
+    """``beta * input + alpha * (b1 op b2)`` (addmm, baddbmm, addbmm, addmv) and
+    ``input + value * t1 op t2`` (addcmul, addcdiv), run as their parts through the product rules."""
     name = func.__name__
-    factors = (1, 2)
-    if len([i for i in var if i in factors]) >= 2 or (name == "addcdiv" and 2 in var):
-        return fallback(func, args, kwargs)
-    return per_block(func, args, kwargs)
+    input, t1, t2 = args[0], args[1], args[2]
+    if name in ("addcmul", "addcdiv"):
+        value = args[3] if len(args) > 3 else kwargs.get("value", 1)
+        prod = t1 * t2 if name == "addcmul" else t1 / t2
+        return input + _scaled(prod, value)
+    beta = args[3] if len(args) > 3 else kwargs.get("beta", 1)
+    alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
+    prod = {"baddbmm": torch.bmm, "addmm": torch.mm, "addmv": torch.mv}.get(name)
+    prod = prod(t1, t2) if prod is not None else torch.bmm(t1, t2).sum(0)  # addbmm
+    return _scaled(input, beta) + _scaled(prod, alpha) if beta != 0 else _scaled(prod, alpha)

@@ -8,10 +8,11 @@ For an op with frozen region at ``a`` (block 0), every block ``z`` maps to
   affine piece, ``out(a)`` where ``a`` is clamped.
 
 Kink conventions follow PyTorch's own derivatives (tests check them at the kink):
-relu'(0) = 0; leaky_relu'(0) = negative_slope; prelu'(0) = weight; abs'(0) = 0;
-hardtanh/relu6 have slope 0 at both bounds; clamp has slope 1 at its bounds;
+relu'(0) = 0; leaky_relu'(0) = negative_slope; prelu'(0) = 1 (torch's forward-mode formula; its
+backward uses the weight there); abs'(0) = 0; hardtanh/relu6 and clamp with number bounds have
+slope 0 at their bounds; clamp with tensor bounds is max/min with those tensors (ties 0.5);
 threshold(x, t, v) has slope 0 at x = t; hardsigmoid has slope 0 at ±3;
-hardswish'(x) = 0 for x < -3, (2x + 3)/6 for -3 <= x <= 3, 1 above (piecewise smooth);
+hardswish'(x) = 0 for x <= -3, (2x + 3)/6 for -3 < x < 3, 1 for x >= 3 (piecewise smooth);
 maximum/minimum split ties evenly (0.5 each), as torch does.
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ def prelu(input, weight):
     w = weight[0] if is_clone(weight) else weight
     if a.dim() >= 2 and w.numel() > 1:
         w = w.reshape(1, -1, *([1] * (a.dim() - 2)))
-    slope = torch.where(a > 0, torch.ones_like(a), w.to(a.dtype).expand_as(a))
+    slope = torch.where(a >= 0, torch.ones_like(a), w.to(a.dtype).expand_as(a))
     out = _with_slope(input, slope)
     if is_clone(weight) and not weight._jvp_state:  # weight tangent: min(a, 0) * dw
         dw = weight[1:] - weight[0]
@@ -105,27 +106,30 @@ def _bound(v, j=0):
 @register_rule(torch.clamp, T.clamp, torch.clip, T.clip, inplace=(torch.clamp_, T.clamp_, torch.clip_, T.clip_),
                inplace_kwarg=None)
 def clamp(input, min=None, max=None):
-    """clamp(z) = z where min <= a <= max (slope 1 at the bounds, as torch), else clamp(a)."""
-    if not is_clone(input) or (is_clone(min) and not min._jvp_state) or (is_clone(max) and not max._jvp_state):
+    """clamp(z) = z where min < a < max (slope 0 at number bounds, as torch), else clamp(a);
+    tensor bounds: max/min with the bound tensors."""
+    if not is_clone(input) or torch.is_tensor(min) or torch.is_tensor(max):
         return _clamp_with_tensor_bounds(input, min, max)
     a = input[0]
     lo, hi = _bound(min), _bound(max)
     out_a = torch.clamp(a, lo, hi)
     inside = torch.ones_like(a, dtype=torch.bool)
     if lo is not None:
-        inside = inside & (a >= lo)
+        inside = inside & (a > lo)
     if hi is not None:
-        inside = inside & (a <= hi)
+        inside = inside & (a < hi)
     return _clamped(input, inside, out_a)
 
 
 def _clamp_with_tensor_bounds(input, min, max):
     """clamp with varying tensor bounds = min(max(x, lo), hi), each piece by the maximum rule."""
+    from ..tensor import wrap
+
     out = input
     if min is not None:
-        out = _extremum(out, min, torch.maximum)
+        out = wrap(_extremum(out, min, torch.maximum))
     if max is not None:
-        out = _extremum(out, max, torch.minimum)
+        out = wrap(_extremum(out, max, torch.minimum))
     return out
 
 
@@ -157,10 +161,10 @@ def hardsigmoid(input, inplace=False):
 
 @register_rule(F.hardswish, torch._C._nn.hardswish, inplace=(torch._C._nn.hardswish_,))
 def hardswish(input, inplace=False):
-    """hardswish(z) ~ out(a) + h'(a) (z - a), h'(a) = 0 | (2a + 3)/6 | 1 (piecewise smooth)."""
+    """hardswish(z) ~ out(a) + h'(a) (z - a), h'(a) = 0 (a <= -3) | (2a + 3)/6 | 1 (a >= 3)."""
     a = input[0]
     out_a = F.hardswish(a)
-    slope = torch.where(a < -3, torch.zeros_like(a), torch.where(a <= 3, (2 * a + 3) / 6, torch.ones_like(a)))
+    slope = torch.where(a <= -3, torch.zeros_like(a), torch.where(a < 3, (2 * a + 3) / 6, torch.ones_like(a)))
     return torch.cat([out_a[None], out_a + slope * (input[1:] - a)])
 
 

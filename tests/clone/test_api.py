@@ -1,0 +1,472 @@
+"""The public API: torch.func-compatible ``jvp``, ``jvp_params``, and every validation error.
+
+References are ``torch.func.jvp`` in float64 (``torch.autograd.forward_ad`` for train-mode
+BatchNorm); every error message is pinned with ``pytest.raises(..., match=...)``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten
+
+import jvpreg
+from jvpreg.clone import fallback_mode
+
+D = torch.float64
+RTOL = 1e-10
+WHERE = r"jvpreg\.jvp\(func, primals, tangents\): "
+WHERE_P = r"jvpreg\.jvp_params\(module, primals, param_tangents\): "
+
+
+def assert_tree_close(got, want, rtol: float = RTOL) -> None:
+    gl, gs = tree_flatten(got)
+    wl, ws = tree_flatten(want)
+    assert gs == ws, f"structure {gs} != reference {ws}"
+    for g, w in zip(gl, wl):
+        g, w = g.detach(), w.detach()
+        torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * max(w.abs().max().item(), 1e-300))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def randn(*shape):
+    return torch.randn(*shape, dtype=D)
+
+
+# ----------------------------------------------------------------------------- call convention
+
+
+def two_outputs(x):
+    return x.tanh(), (x * x).sum(1)
+
+
+def dict_output(x):
+    return {"act": F.relu(x), "nested": [x.sin(), {"sq": x.pow(2)}]}
+
+
+def aux_tensor(x):
+    y = x.tanh()
+    return y, y.detach().sum()
+
+
+def aux_dict(x):
+    return x.exp(), {"norm": x.pow(2).sum().sqrt(), "rows": x[:, 0]}
+
+
+def several_primals(x, w):
+    return x @ w.tanh(), (x.sin() * x).sum(0) + w[:, 0]
+
+
+@pytest.mark.parametrize("func", [two_outputs, dict_output], ids=["tuple", "dict-nested"])
+def test_pytree_outputs_match_torch_func(func):
+    x, u = randn(3, 4), randn(3, 4)
+    with fallback_mode("error"):
+        out = jvpreg.jvp(func, (x,), (u,))
+    assert_tree_close(out, torch.func.jvp(func, (x,), (u,)))
+
+
+@pytest.mark.parametrize("func", [aux_tensor, aux_dict], ids=["aux-tensor", "aux-dict"])
+def test_has_aux_returns_aux_of_the_primal(func):
+    x, u = randn(3, 4), randn(3, 4)
+    with fallback_mode("error"):
+        y, t, aux = jvpreg.jvp(func, (x,), (u,), has_aux=True)
+    y_ref, t_ref, aux_ref = torch.func.jvp(func, (x,), (u,), has_aux=True)
+    assert_tree_close((y, t), (y_ref, t_ref))
+    assert type(aux) is type(aux_ref)
+    assert not isinstance(aux, jvpreg.clone.CloneTensor)
+    if isinstance(aux, dict):
+        assert aux.keys() == aux_ref.keys()
+        for key in aux:
+            assert not isinstance(aux[key], jvpreg.clone.CloneTensor)
+            torch.testing.assert_close(aux[key], aux_ref[key], rtol=1e-12, atol=0)
+    else:
+        torch.testing.assert_close(aux, aux_ref, rtol=1e-12, atol=0)
+
+
+def test_several_primals():
+    x, w = randn(3, 4), randn(4, 2)
+    tx, tw = randn(3, 4), randn(4, 2)
+    with fallback_mode("error"):
+        out = jvpreg.jvp(several_primals, (x, w), (tx, tw))
+    assert_tree_close(out, torch.func.jvp(several_primals, (x, w), (tx, tw)))
+
+
+def test_list_primals_are_accepted_like_tuples():
+    x, u = randn(3, 4), randn(3, 4)
+    assert_tree_close(jvpreg.jvp(torch.sin, [x], [u]), jvpreg.jvp(torch.sin, (x,), (u,)))
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).to(D)
+
+
+def test_batched_tangents_equal_separate_calls():
+    model = mlp()
+    x, us = randn(3, 4), randn(3, 3, 4)
+    with fallback_mode("error"):
+        y, ts = jvpreg.jvp(model, (x,), (us,), batched_tangents=True)
+        separate = [jvpreg.jvp(model, (x,), (us[j],)) for j in range(3)]
+    assert ts.shape == (3, 3, 2)
+    for j, (y_j, t_j) in enumerate(separate):
+        torch.testing.assert_close(y, y_j, rtol=0, atol=0)
+        torch.testing.assert_close(ts[j], t_j, rtol=RTOL, atol=1e-14)
+        torch.testing.assert_close(ts[j], torch.func.jvp(model, (x,), (us[j],))[1], rtol=RTOL, atol=1e-14)
+
+
+def test_batched_tangents_train_batchnorm_one_statistics_update():
+    """k tangents through clone-BN: each equals its own call, and running stats are updated once per call."""
+    net = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3, momentum=None), nn.ReLU(), nn.Flatten()).to(D).train()
+    plain = copy.deepcopy(net)
+    x, us = randn(4, 2, 5, 5), randn(3, 4, 2, 5, 5)
+    with fallback_mode("error"):
+        y, ts = jvpreg.jvp(net, (x,), (us,), batched_tangents=True)
+    plain(x)
+    for (name, b), (_, b_plain) in zip(net.named_buffers(), plain.named_buffers()):
+        torch.testing.assert_close(b, b_plain, rtol=1e-14, atol=0, msg=lambda m: f"{name}: {m}")
+    for j in range(3):
+        with fallback_mode("error"):
+            _, t_j = jvpreg.jvp(copy.deepcopy(net), (x,), (us[j],))
+        torch.testing.assert_close(ts[j], t_j, rtol=RTOL, atol=1e-13)
+
+
+def test_batched_tangents_several_primals_and_pytree_output():
+    x, w = randn(3, 4), randn(4, 2)
+    tx, tw = randn(2, 3, 4), randn(2, 4, 2)
+    with fallback_mode("error"):
+        y, ts = jvpreg.jvp(several_primals, (x, w), (tx, tw), batched_tangents=True)
+    for j in range(2):
+        _, t_ref = torch.func.jvp(several_primals, (x, w), (tx[j], tw[j]))
+        assert_tree_close(tuple(t[j] for t in ts), t_ref)
+
+
+@pytest.mark.parametrize("scale", ["auto", 1.0, 1e-3, 2.0 ** 20, 3])
+def test_scale_fixed_or_auto_gives_the_same_jvp(scale):
+    model = mlp()
+    x, u = randn(3, 4), randn(3, 4)
+    with fallback_mode("error"):
+        y, t = jvpreg.jvp(model, (x,), (u,), scale=scale)
+    y_ref, t_ref = torch.func.jvp(model, (x,), (u,))
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-15)
+    torch.testing.assert_close(t, t_ref, rtol=1e-8, atol=1e-12)
+
+
+def test_scale_auto_is_a_power_of_two_per_tangent():
+    x = randn(3, 4)
+    us = torch.stack([randn(3, 4), 1e-3 * randn(3, 4), torch.zeros(3, 4, dtype=D)])
+    s = jvpreg.clone.choose_scales([(x, us)], 3)
+    assert s.shape == (3,)
+    assert torch.equal(s, torch.exp2(torch.log2(s).round()))
+    assert s[1] > s[0] and s[2] == 1.0  # a zero tangent keeps scale 1
+
+
+def test_zero_tangent_gives_zero_jvp():
+    x = randn(3, 4)
+    y, t = jvpreg.jvp(mlp(), (x,), (torch.zeros_like(x),))
+    assert torch.equal(t, torch.zeros_like(t))
+
+
+def test_inputs_and_module_are_not_modified():
+    model = mlp()
+    state = copy.deepcopy(model.state_dict())
+    x, u = randn(3, 4), randn(3, 4)
+    x0, u0 = x.clone(), u.clone()
+    jvpreg.jvp(model, (x,), (u,))
+    assert torch.equal(x, x0) and torch.equal(u, u0)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k])
+        assert type(v) is torch.Tensor
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- validation errors
+
+X = torch.zeros(3, 4, dtype=D)
+
+JVP_ERRORS = [
+    {"id": "func-not-callable", "args": (42, (X,), (X,)), "kwargs": {}, "error": TypeError,
+     "match": WHERE + "expected func to be callable, got int"},
+    {"id": "primals-tensor", "args": (torch.sin, X, (X,)), "kwargs": {}, "error": TypeError,
+     "match": WHERE + r"expected primals to be a tuple of tensors\. E\.g\. it should be valid to call f\(\*primals\)\. "
+                      r"Got Tensor"},
+    {"id": "primals-dict", "args": (torch.sin, {"x": X}, (X,)), "kwargs": {}, "error": TypeError,
+     "match": WHERE + "expected primals to be a tuple of tensors.*Got dict"},
+    {"id": "tangents-tensor", "args": (torch.sin, (X,), X), "kwargs": {}, "error": TypeError,
+     "match": WHERE + "expected tangents to be a tuple of tensors, got Tensor"},
+    {"id": "length-mismatch", "args": (torch.add, (X, X), (X,)), "kwargs": {}, "error": ValueError,
+     "match": WHERE + "expected primals and tangents to have the same length, got 2 and 1"},
+    {"id": "empty", "args": (torch.sin, (), ()), "kwargs": {}, "error": ValueError,
+     "match": WHERE + "expected at least one primal"},
+    {"id": "primal-not-tensor", "args": (torch.sin, (1.5,), (X,)), "kwargs": {}, "error": TypeError,
+     "match": WHERE + "expected primals to be a tuple of tensors, got float at index 0"},
+    {"id": "tangent-not-tensor", "args": (torch.sin, (X,), ([0.0],)), "kwargs": {}, "error": TypeError,
+     "match": WHERE + "expected tangents to be a tuple of tensors, got list at index 0"},
+    {"id": "shape-mismatch", "args": (torch.sin, (X,), (torch.zeros(3, 5, dtype=D),)), "kwargs": {},
+     "error": ValueError, "match": WHERE + r"tangents\[0\] has shape \(3, 5\), expected \(3, 4\)\.$"},
+    {"id": "shape-mismatch-second", "args": (torch.add, (X, X), (X, torch.zeros(4, 3, dtype=D))), "kwargs": {},
+     "error": ValueError, "match": WHERE + r"tangents\[1\] has shape \(4, 3\), expected \(3, 4\)"},
+    {"id": "batched-missing-k", "args": (torch.sin, (X,), (X,)), "kwargs": {"batched_tangents": True},
+     "error": ValueError,
+     "match": WHERE + r"tangents\[0\] has shape \(3, 4\), expected \(3, 4\) "
+                      r"\(batched_tangents=True expects a leading k dim\)"},
+    {"id": "batched-k-mismatch",
+     "args": (torch.add, (X, X), (torch.zeros(2, 3, 4, dtype=D), torch.zeros(3, 3, 4, dtype=D))),
+     "kwargs": {"batched_tangents": True}, "error": ValueError,
+     "match": WHERE + r"every tangent must carry the same number of directions k, got \[2, 3\]"},
+    {"id": "int-primal", "args": (torch.sin, (torch.zeros(3, dtype=torch.long),), (torch.zeros(3),)),
+     "kwargs": {}, "error": TypeError,
+     "match": WHERE + r"primals\[0\] has dtype torch\.int64; JVPs need floating-point primals"},
+    {"id": "bool-primal", "args": (torch.sin, (torch.zeros(3, dtype=torch.bool),), (torch.zeros(3),)),
+     "kwargs": {}, "error": TypeError, "match": WHERE + r"primals\[0\] has dtype torch\.bool"},
+    {"id": "0-dim-primal", "args": (torch.sin, (torch.tensor(1.0),), (torch.tensor(1.0),)), "kwargs": {},
+     "error": ValueError,
+     "match": WHERE + r"primals\[0\] is 0-dimensional; clone mode needs at least one dimension \(reshape it to "
+                      r"shape \(1,\) or close over it in func\)"},
+    {"id": "has_aux-without-tuple", "args": (torch.sin, (X,), (X,)), "kwargs": {"has_aux": True},
+     "error": TypeError, "match": WHERE + r"has_aux=True expects func to return a \(output, aux\) tuple"},
+] + [
+    {"id": f"bad-scale-{name}", "args": (torch.sin, (X,), (X,)), "kwargs": {"scale": value}, "error": ValueError,
+     "match": r"scale: expected 'auto' or a positive finite number, got " + pattern}
+    for name, value, pattern in [
+        ("zero", 0.0, "0.0"), ("negative", -1, "-1"), ("nan", math.nan, "nan"), ("inf", math.inf, "inf"),
+        ("string", "big", "'big'"), ("tensor", torch.tensor(2.0), "tensor"),
+    ]
+]
+
+
+@pytest.mark.parametrize("case", JVP_ERRORS, ids=[c["id"] for c in JVP_ERRORS])
+def test_jvp_validation_errors(case):
+    with pytest.raises(case["error"], match=case["match"]):
+        jvpreg.jvp(*case["args"], **case["kwargs"])
+
+
+def test_validation_runs_before_func():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x
+
+    for bad in [dict(tangents=(torch.zeros(2, 2, dtype=D),)), dict(scale=-1.0)]:
+        kwargs = {"scale": bad.get("scale", "auto")}
+        with pytest.raises(ValueError):
+            jvpreg.jvp(f, (X,), bad.get("tangents", (X,)), **kwargs)
+    assert calls == []
+
+
+# ----------------------------------------------------------------------------- jvp_params
+
+
+class Bilinear(nn.Module):
+    """Parameters used directly, not through a layer: ``x @ self.W`` and ``self.scale * x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(4, 5))
+        self.scale = nn.Parameter(torch.randn(5))
+        self.gain = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.gain * torch.tanh(self.scale * (x @ self.W))
+
+
+class Tied(nn.Module):
+    """Encoder weight reused, transposed, by the decoder."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(4, 3)
+        self.dec_bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return F.linear(F.relu(self.enc(x)), self.enc.weight.t(), self.dec_bias)
+
+
+class TiedSame(nn.Module):
+    """The same Linear applied twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class SharedParameter(nn.Module):
+    """One Parameter object registered under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+def conv_net(dim: int, transpose: bool = False):
+    conv = getattr(nn, f"Conv{dim}d")
+    layers = [conv(2, 3, 3, padding=1), nn.ReLU()]
+    if transpose:
+        layers += [nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1, output_padding=1), nn.Tanh()]
+    else:
+        layers += [conv(3, 2, 3, stride=2), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def bn_net():
+    net = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 2, 1))
+    with torch.no_grad():
+        net[1].weight.normal_()
+        net[1].bias.normal_()
+        net[1].running_mean.normal_()
+        net[1].running_var.uniform_(0.5, 1.5)
+    return net
+
+
+PARAM_SETTINGS = [
+    {"id": "linear-weight", "module": lambda: nn.Linear(4, 3), "input_shape": (3, 4), "names": ["weight"]},
+    {"id": "linear-bias", "module": lambda: nn.Linear(4, 3), "input_shape": (3, 4), "names": ["bias"]},
+    {"id": "mlp-middle-weight", "module": mlp, "input_shape": (3, 4), "names": ["2.weight"]},
+    {"id": "mlp-several", "module": mlp, "input_shape": (3, 4), "names": ["0.weight", "2.bias", "4.weight"]},
+    {"id": "conv1d-weight", "module": lambda: conv_net(1), "input_shape": (2, 2, 8), "names": ["2.weight"]},
+    {"id": "conv2d-weight-bias", "module": lambda: conv_net(2), "input_shape": (2, 2, 6, 6),
+     "names": ["0.weight", "0.bias"]},
+    {"id": "conv3d-weight", "module": lambda: conv_net(3), "input_shape": (2, 2, 4, 4, 4), "names": ["0.weight"]},
+    {"id": "conv_transpose2d-weight", "module": lambda: conv_net(2, transpose=True), "input_shape": (2, 2, 5, 5),
+     "names": ["2.weight", "2.bias"]},
+    {"id": "batchnorm-eval-weight", "module": bn_net, "input_shape": (3, 2, 5, 5), "names": ["1.weight"]},
+    {"id": "batchnorm-eval-weight-bias", "module": bn_net, "input_shape": (3, 2, 5, 5),
+     "names": ["1.weight", "1.bias", "0.weight"]},
+    {"id": "batchnorm-train-weight", "module": bn_net, "input_shape": (3, 2, 5, 5), "names": ["1.weight", "0.bias"],
+     "train": True},
+    {"id": "matmul-param", "module": Bilinear, "input_shape": (3, 4), "names": ["W"]},
+    {"id": "scale-param", "module": Bilinear, "input_shape": (3, 4), "names": ["scale"]},
+    {"id": "0-dim-param", "module": Bilinear, "input_shape": (3, 4), "names": ["gain"]},
+    {"id": "all-direct-params", "module": Bilinear, "input_shape": (3, 4), "names": ["W", "scale", "gain"]},
+    {"id": "tied-transposed", "module": Tied, "input_shape": (3, 4), "names": ["enc.weight"]},
+    {"id": "tied-same-layer-twice", "module": TiedSame, "input_shape": (3, 4), "names": ["lin.weight", "lin.bias"]},
+    {"id": "shared-parameter-object", "module": SharedParameter, "input_shape": (3, 4), "names": ["a.weight"]},
+]
+
+
+def param_reference(model, x, names, param_dirs, u, train):
+    """d/dt model(x + t u; W + t U) at t = 0, by torch.func.jvp (forward_ad in train mode)."""
+    params = [dict(model.named_parameters())[n] for n in names]
+    if not train:
+        def f(x_, *ps):
+            return functional_call(model, dict(zip(names, ps)), (x_,))
+
+        primals = (x, *params)
+        tangents = (u if u is not None else torch.zeros_like(x), *param_dirs)
+        return torch.func.jvp(f, primals, tangents)
+    with fwAD.dual_level():
+        duals = {n: fwAD.make_dual(p.detach(), d) for n, p, d in zip(names, params, param_dirs)}
+        xd = fwAD.make_dual(x, u) if u is not None else x
+        out = functional_call(model, duals, (xd,))
+        p, t = fwAD.unpack_dual(out)
+        return p, t
+
+
+@pytest.mark.parametrize("with_input_tangent", [False, True], ids=["params-only", "params-and-input"])
+@pytest.mark.parametrize("setting", PARAM_SETTINGS, ids=[s["id"] for s in PARAM_SETTINGS])
+def test_jvp_params(setting, with_input_tangent):
+    torch.manual_seed(0)
+    model = setting["module"]().to(D).train(setting.get("train", False))
+    model_ref = copy.deepcopy(model)
+    x = randn(*setting["input_shape"])
+    u = randn(*setting["input_shape"]) if with_input_tangent else None
+    named = dict(model.named_parameters())
+    dirs = {n: torch.randn_like(named[n]) for n in setting["names"]}
+    with fallback_mode("error"):
+        y, t = jvpreg.jvp_params(model, (x,), dirs, None if u is None else (u,))
+    y_ref, t_ref = param_reference(model_ref, x, setting["names"], [dirs[n] for n in setting["names"]], u,
+                                   setting.get("train", False))
+    torch.testing.assert_close(y.detach(), y_ref.detach(), rtol=RTOL, atol=1e-13)
+    torch.testing.assert_close(t.detach(), t_ref.detach(), rtol=RTOL, atol=RTOL * t_ref.abs().max().item())
+    for (n, b), (_, b_ref) in zip(model.named_buffers(), model_ref.named_buffers()):
+        torch.testing.assert_close(b, b_ref, rtol=1e-12, atol=1e-12, msg=lambda m: f"buffer {n}: {m}")
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
+def test_jvp_params_batched_equals_separate_calls():
+    model = conv_net(2).to(D)
+    x = randn(2, 2, 6, 6)
+    W = model[0].weight
+    Us = torch.randn(3, *W.shape, dtype=D)
+    with fallback_mode("error"):
+        y, ts = jvpreg.jvp_params(model, (x,), {"0.weight": Us}, batched_tangents=True)
+        for j in range(3):
+            y_j, t_j = jvpreg.jvp_params(model, (x,), {"0.weight": Us[j]})
+            torch.testing.assert_close(y, y_j, rtol=0, atol=0)
+            torch.testing.assert_close(ts[j], t_j, rtol=RTOL, atol=1e-14)
+
+
+def test_jvp_params_has_aux_and_kwargs():
+    class WithKwargs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x, *, power):
+            y = self.lin(x) ** power
+            return y, y.sum()
+
+    model = WithKwargs().to(D)
+    x = randn(3, 4)
+    U = torch.randn_like(model.lin.weight)
+    y, t, aux = jvpreg.jvp_params(model, (x,), {"lin.weight": U}, kwargs={"power": 2}, has_aux=True)
+
+    def f(w):
+        return functional_call(model, {"lin.weight": w}, (x,), {"power": 2})
+
+    y_ref, t_ref, aux_ref = torch.func.jvp(f, (model.lin.weight.detach(),), (U,), has_aux=True)
+    torch.testing.assert_close(t, t_ref, rtol=RTOL, atol=1e-13)
+    torch.testing.assert_close(aux, aux_ref, rtol=1e-12, atol=0)
+
+
+PARAM_ERRORS = [
+    {"id": "unknown-name-with-suggestion", "names": {"0.weigth": (6, 4)}, "error": ValueError,
+     "match": WHERE_P + r"module has no parameter '0\.weigth'\. Did you mean '0\.weight'"},
+    {"id": "unknown-name-no-suggestion", "names": {"encoder.conv": (6, 4)}, "error": ValueError,
+     "match": WHERE_P + r"module has no parameter 'encoder\.conv'\.$"},
+    {"id": "direction-shape", "names": {"0.weight": (4, 6)}, "error": ValueError,
+     "match": WHERE_P + r"direction for '0\.weight' has shape \(4, 6\), expected \(6, 4\)\.$"},
+    {"id": "empty-dict", "names": {}, "error": TypeError,
+     "match": WHERE_P + "expected param_tangents to be a non-empty dict name -> tensor"},
+]
+
+
+@pytest.mark.parametrize("case", PARAM_ERRORS, ids=[c["id"] for c in PARAM_ERRORS])
+def test_jvp_params_validation_errors(case):
+    model = mlp()
+    dirs = {n: torch.zeros(shape, dtype=D) for n, shape in case["names"].items()}
+    with pytest.raises(case["error"], match=case["match"]):
+        jvpreg.jvp_params(model, (randn(3, 4),), dirs)
+
+
+def test_jvp_params_other_errors():
+    model = mlp()
+    x = randn(3, 4)
+    ok = {"0.weight": torch.zeros(6, 4, dtype=D)}
+    with pytest.raises(TypeError, match=WHERE_P + "expected an nn.Module, got function"):
+        jvpreg.jvp_params(lambda z: z, (x,), ok)
+    with pytest.raises(TypeError, match=WHERE_P + "expected primals to be a tuple of tensors, got Tensor"):
+        jvpreg.jvp_params(model, x, ok)
+    with pytest.raises(ValueError, match=WHERE_P + "expected one tangent per primal, got 2 for 1"):
+        jvpreg.jvp_params(model, (x,), ok, (x, x))
+    with pytest.raises(ValueError, match=WHERE_P + r"every direction must carry the same number of tangents k, "
+                                                   r"got \[2, 3\]"):
+        jvpreg.jvp_params(model, (x,), {"0.weight": torch.zeros(2, 6, 4, dtype=D)}, (torch.zeros(3, 3, 4, dtype=D),),
+                          batched_tangents=True)
