@@ -43,15 +43,14 @@ def _clamped(x: torch.Tensor, inside: torch.Tensor, out_a: torch.Tensor) -> torc
     return torch.addcmul(out_a * (1 - m), x, m)
 
 
-@register_rule(F.relu, torch.relu, T.relu, inplace=(F.relu_, torch.relu_, T.relu_), inplace_safe=True)
+@register_rule(F.relu, torch.relu, T.relu, inplace=(F.relu_, torch.relu_, T.relu_))
 def relu(input, inplace=False):
     """relu(z) = 1[a > 0] * z, as one fused kernel over all blocks (relu's own backward kernel,
     ``threshold_backward(z, a, 0)``: as fast as relu on the 2B-row batch; a mask multiply is 4x slower)."""
     return torch.ops.aten.threshold_backward(input, input[0].expand_as(input), 0)
 
 
-@register_rule(F.leaky_relu, torch._C._nn.leaky_relu, inplace=(F.leaky_relu_, torch._C._nn.leaky_relu_),
-               inplace_safe=True)
+@register_rule(F.leaky_relu, torch._C._nn.leaky_relu, inplace=(F.leaky_relu_, torch._C._nn.leaky_relu_))
 def leaky_relu(input, negative_slope=0.01, inplace=False):
     """leaky_relu(z) = (1[a > 0] + negative_slope * 1[a <= 0]) * z (fused, via leaky_relu's backward kernel)."""
     return torch.ops.aten.leaky_relu_backward(input, input[0].expand_as(input), negative_slope, False)

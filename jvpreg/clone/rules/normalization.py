@@ -112,7 +112,10 @@ def _bn_tangents(x, a, out_a, mean, invstd, weight, bias, eps, ch):
         tans.append(t)
     dw, db = _delta(weight), _delta(bias)
     if dw is not None or db is not None:
-        xhat = (a - ch(mean)) * ch(invstd)
+        # differentiable statistics here (the kernel's saved mean/invstd carry no gradient)
+        dims = (0,) + tuple(range(2, a.dim()))
+        var, mu = torch.var_mean(a, dim=dims, correction=0, keepdim=True)
+        xhat = (a - mu) * torch.rsqrt(var + eps)
         for j in range(k - 1):
             if dw is not None:
                 tans[j] = tans[j] + xhat * ch(dw[j])
