@@ -36,7 +36,7 @@ orthogonal iteration ``V ← orth(J V)`` with Schur–Rayleigh–Ritz at every s
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -67,6 +67,10 @@ class SpectralResult:
         n_iter: iterations run (the largest over samples).
         residual: ``(B,)`` ``max_i ‖Jᵀu_i − σ_i v_i‖ / σ_1`` at the returned triplets.
         sample_converged: ``(B,)`` bool, per-sample convergence.
+        rel_change: ``(B,)`` relative change of the top-k values at each sample's last iteration
+            (``inf`` after a single iteration); compared with ``tol``.
+        stats: cost accounting — ``n_jvp``/``n_vjp`` (directions pushed/pulled, summed over passes)
+            and ``jvp_seconds``/``vjp_seconds`` (wall time inside the products).
     """
 
     values: torch.Tensor
@@ -76,6 +80,8 @@ class SpectralResult:
     n_iter: int
     residual: torch.Tensor
     sample_converged: torch.Tensor
+    rel_change: Optional[torch.Tensor] = None
+    stats: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -85,7 +91,7 @@ class EigenResult:
     Attributes:
         values: ``(B, k)`` complex eigenvalues, by decreasing modulus (conjugate pairs: ``+Im`` first).
         vectors: ``(B, k, D)`` complex unit right eigenvectors (Ritz vectors), or ``None``.
-        converged, n_iter, sample_converged: as in :class:`SpectralResult`.
+        converged, n_iter, sample_converged, rel_change, stats: as in :class:`SpectralResult`.
         residual: ``(B,)`` ``max_i ‖J x_i − λ_i x_i‖ / |λ_1|``.
     """
 
@@ -95,6 +101,8 @@ class EigenResult:
     n_iter: int
     residual: torch.Tensor
     sample_converged: torch.Tensor
+    rel_change: Optional[torch.Tensor] = None
+    stats: dict = field(default_factory=dict)
 
 
 def _orth(V: torch.Tensor) -> torch.Tensor:
@@ -156,7 +164,8 @@ def top_singular_values(model: Callable, x: torch.Tensor, k: int, *, tol: float 
         x: the batch, ``(B, *in_shape)``, floating point. The float dtype sets the precision.
         k: number of singular values, ``1 <= k <= min(D_in, D_out)``.
         tol: stop when ``|σ_i^(t) − σ_i^(t−1)| <= tol · σ_i^(t)`` for all ``i <= k`` (per sample).
-            ``tol=0`` runs exactly ``max_iter`` iterations (and warns).
+            ``tol=0`` runs exactly ``max_iter`` iterations (and warns): the way to time or compare
+            a fixed amount of work.
         max_iter: iteration cap; reaching it unconverged raises a :class:`ConvergenceWarning`.
         oversample: extra block directions (faster convergence for clustered values).
         return_vectors: also return ``left``/``right`` vectors.
@@ -220,7 +229,7 @@ def top_singular_values(model: Callable, x: torch.Tensor, k: int, *, tol: float 
         if return_vectors:
             left[active] = Ul[:, :k]
             right[active] = R[:, :k]
-        conv = ch <= tol
+        conv = ch <= tol if tol > 0 else torch.zeros_like(ch, dtype=torch.bool)
         done[active[conv]] = True
         if bool(conv.all()):
             break
@@ -234,7 +243,7 @@ def top_singular_values(model: Callable, x: torch.Tensor, k: int, *, tol: float 
     if not bool(done.all()):
         _warn_not_converged(where, done, change[~done], tol, max_iter)
     return SpectralResult(values=values, left=left, right=right, converged=bool(done.all()), n_iter=n_iter,
-                          residual=residual, sample_converged=done)
+                          residual=residual, sample_converged=done, rel_change=change, stats=dict(op.stats))
 
 
 def _sort_eig(lam: torch.Tensor, S: torch.Tensor):
@@ -319,7 +328,7 @@ def top_eigenvalues(model: Callable, x: torch.Tensor, k: int, *, tol: float = 1e
         change[active] = ch
         if return_vectors:
             vectors[active] = X[:, :k]
-        conv = ch <= tol
+        conv = ch <= tol if tol > 0 else torch.zeros_like(ch, dtype=torch.bool)
         done[active[conv]] = True
         if bool(conv.all()):
             break
@@ -333,4 +342,4 @@ def top_eigenvalues(model: Callable, x: torch.Tensor, k: int, *, tol: float = 1e
     if not bool(done.all()):
         _warn_not_converged(where, done, change[~done], tol, max_iter)
     return EigenResult(values=values, vectors=vectors, converged=bool(done.all()), n_iter=n_iter,
-                       residual=residual, sample_converged=done)
+                       residual=residual, sample_converged=done, rel_change=change, stats=dict(op.stats))
