@@ -652,7 +652,15 @@ def test_shared_forward_without_lightning_and_its_errors():
     shared.remove()
 
 
-def test_model_with_inplace_relu():
-    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(8, 3))
-    loader, _, _ = data()
-    make_trainer([JacobianRegularizer(0.1)]).fit(Lit(net), loader)
+def test_model_with_inplace_relu_matches_out_of_place():
+    """torchvision-style ReLU(inplace=True) inside the cloned forward: same gradients as out-of-place."""
+    grads = []
+    for inplace in (True, False):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(inplace=inplace), nn.Flatten(), nn.Linear(8, 3))
+        loader, _, _ = data()
+        cap = GradCapture()
+        make_trainer([JacobianRegularizer(0.1, seed=0), cap]).fit(Lit(net, lr=0.0), loader)
+        grads.append(cap.grads[0])
+    for n, g in grads[1].items():
+        torch.testing.assert_close(grads[0][n], g, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")

@@ -91,6 +91,11 @@ def check_seed(where: str, seed: Any) -> Optional[int]:
     return check_int(where, "seed", seed, 0)
 
 
+def accum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a dtype fit for reductions: half precision (AMP outputs) goes to float32."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def snake_name(cls_name: str) -> str:
     """``JacobianFrobenius`` -> ``jacobian_frobenius``."""
     return re.sub(r"(?<!^)(?=[A-Z])", "_", cls_name).lower()
@@ -128,6 +133,7 @@ class PenaltyContext:
         forward: ``forward(z) -> output`` runs the model on another input with the same other
             arguments, outside the shared forward (for extra power iterations).
         output: the primal output ``f(x)`` (the selected tensor), set before ``penalty`` is called.
+        extra: scratch space a penalty may fill in ``directions`` and read in ``penalty``.
     """
 
     x: torch.Tensor
@@ -136,6 +142,7 @@ class PenaltyContext:
     rows: int = 0
     forward: Optional[Callable[[torch.Tensor], Any]] = None
     output: Optional[torch.Tensor] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.rows:
@@ -209,14 +216,17 @@ class JVPPenalty(nn.Module):
         return g
 
     def sample(self, shape: Sequence[int], like: torch.Tensor, distribution: str = "gaussian") -> torch.Tensor:
-        """Random tensor of ``shape`` (dtype/device of ``like``): standard normal or Rademacher (±1)."""
+        """Random tensor of ``shape`` (dtype/device of ``like``): standard normal or Rademacher (±1).
+
+        Drawn in float32 whatever the dtype, so a seeded penalty gives the same directions to a float32
+        and a float64 (or half precision) model.
+        """
         dtype = like.dtype if like.is_floating_point() else torch.float32
-        gen_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
         g = self.generator(like.device)
         if distribution == "rademacher":
             r = torch.randint(0, 2, tuple(shape), generator=g, device=like.device, dtype=torch.int8)
-            return (r.to(dtype) * 2 - 1)
-        return torch.randn(tuple(shape), generator=g, device=like.device, dtype=gen_dtype).to(dtype)
+            return r.to(dtype) * 2 - 1
+        return torch.randn(tuple(shape), generator=g, device=like.device, dtype=torch.float32).to(dtype)
 
     def get_extra_state(self) -> Dict[str, Any]:
         g = self._generator
@@ -258,6 +268,13 @@ class Plan:
 
     Built by :func:`prepare`; feed ``x_in`` to the model inside :meth:`swapped`, then call
     :meth:`finish` on what the model returned.
+
+    Example::
+
+        >>> plan = prepare(model, x, [(JacobianFrobenius(), 1.0, 1.0)])
+        >>> with plan.swapped(model):
+        ...     raw = model(plan.x_in)                     # (1 + k) B rows underneath, logical shape of x
+        >>> out, (jac,) = plan.finish(raw)                 # out == model(x); jac the penalty
     """
 
     x_in: torch.Tensor
@@ -346,7 +363,8 @@ def _check_param_directions(where: str, dirs: Any, named: Mapping[str, torch.Ten
 
 
 def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target: Any = None,
-            forward: Optional[Callable[[torch.Tensor], Any]] = None, scale: Any = "auto") -> Plan:
+            targets: Optional[Sequence[Any]] = None, forward: Optional[Callable[[torch.Tensor], Any]] = None,
+            scale: Any = "auto") -> Plan:
     """Build ONE clone forward for every ``(penalty, weight, batch_fraction)`` in ``terms``.
 
     Args:
@@ -354,11 +372,22 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
         x: the primal input batch (floating point, batch first).
         terms: penalties with their weights and batch fractions.
         target: the batch's targets (passed to the penalties' context).
+        targets: one target per term instead (overrides ``target``).
         forward: ``forward(z)`` runs the model on another input (see :class:`PenaltyContext`).
         scale: ``"auto"`` or a fixed difference scale (see :func:`jvpreg.clone.pack`).
 
     Returns:
         A :class:`Plan`; the input to feed is ``plan.x_in``.
+
+    Raises:
+        TypeError: a non-float input, or directions of the wrong type.
+        ValueError: directions of the wrong shape, or a penalty with no directions.
+
+    Example::
+
+        >>> plan = prepare(model, x, [(JacobianFrobenius(2), 1.0, 1.0), (TangentProp(), 0.1, 0.5)])
+        >>> plan.x_in.as_subclass(torch.Tensor).shape[0]  # 1 + 2 + 4 blocks
+        7
     """
     where = "jvpreg.losses.prepare(model, x, terms)"
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
@@ -373,10 +402,13 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
     slots: List[_Slot] = []
     start = 0
     names_seen: Dict[str, int] = {}
-    for pen, weight, fraction in terms:
+    if targets is not None and len(targets) != len(terms):
+        raise ValueError(f"{where}: expected one target per term ({len(terms)}), got {len(targets)}.")
+    for i, (pen, weight, fraction) in enumerate(terms):
         cls = type(pen).__name__
         rows = b if fraction >= 1.0 else max(1, min(b, math.ceil(fraction * b)))
-        ctx = PenaltyContext(x=x, target=target, model=model, rows=rows, forward=forward)
+        ctx = PenaltyContext(x=x, target=target if targets is None else targets[i], model=model, rows=rows,
+                             forward=forward)
         u = pen.directions(x, ctx)
         pd = pen.param_directions(model, ctx)
         if u is None and pd is None:
@@ -467,7 +499,9 @@ class Stack(nn.Module):
         where = "Stack(penalties)"
         if isinstance(penalties, (JVPPenalty, Stack)):
             penalties = [penalties]
-        if not isinstance(penalties, (list, tuple)) or not penalties:
+        elif isinstance(penalties, nn.ModuleList):
+            penalties = list(penalties)
+        if isinstance(penalties, (str, bytes, nn.Module)) or not isinstance(penalties, Sequence) or not penalties:
             raise ValueError(f"{where}: expected a non-empty list of JVPPenalty modules, got {penalties!r}.")
         flat: List[Term] = []
         n = len(penalties)
@@ -512,7 +546,7 @@ def as_terms(penalties: Any, where: str) -> List[Term]:
         return penalties.terms
     if isinstance(penalties, JVPPenalty):
         return [(penalties, 1.0, 1.0)]
-    if isinstance(penalties, (list, tuple)) and penalties:
+    if isinstance(penalties, Sequence) and not isinstance(penalties, (str, bytes)) and penalties:
         return Stack(list(penalties)).terms
     raise TypeError(f"{where}: expected a JVPPenalty, a Stack or a non-empty list of JVPPenalty, "
                     f"got {type(penalties).__name__}.")

@@ -1,0 +1,367 @@
+"""Training-step benchmark: plain step vs clone-mode Jacobian regularization vs autodiff alternatives.
+
+``python -m jvpreg.bench train [--models resnet18,mlp] [--batch 32] [--repeats 10]`` times one full
+training step (zero_grad, forward, backward, SGD step) per method and writes Markdown + JSON:
+
+* ``plain``: task loss only.
+* ``clone``: task loss + lam * JacobianFrobenius (1 projection, whole batch) through the callbacks'
+  own code path (:class:`jvpreg.callbacks.SharedForward` armed around the model call: one forward
+  of the 2B-row batch, one backward).
+* ``double_backprop``: Hoffman et al. 2019 (facebookresearch/jacobian_regularizer): a random unit
+  output projection ``v`` per sample, ``vᵀJ`` by ``autograd.grad(create_graph=True)``, penalty
+  ``C ||vᵀJ||² / (2B)``, then the backward through that graph.
+* ``forward_ad``: ``torch.autograd.forward_ad`` dual input, ``||J u||²`` differentiated in reverse.
+* ``func_jvp``: ``torch.func.jvp`` of the module, ``||J u||²`` differentiated in reverse.
+* ``functional_jvp``: ``torch.autograd.functional.jvp(create_graph=True)`` (the double-backward trick).
+
+Methods that raise are recorded as ``fails`` with the error. For the JVP-based alternatives the
+benchmark also checks their parameter gradients against the clone step's on the same batch and
+direction (``grad_check``): ``torch.autograd.forward_ad`` runs on train-mode BatchNorm but its
+tangent is not correctly differentiable in reverse mode (wrong gradients, see
+``tests/test_losses.py::test_native_batchnorm_forward_ad_is_not_a_valid_reference``).
+
+Timing: every method gets ``warmup`` untimed steps, then ``repeats`` rounds of one timed step per
+method each (round-robin, so load changes on a shared machine hit all methods alike); wall-clock
+medians (what the targets use) and process CPU time are reported. On a busy machine use
+``--threads 1``: with several OpenMP threads, a thread descheduled by another job stalls every
+parallel region (slowdowns of 10-100x were seen). ``--no-inplace`` turns in-place activations
+(ResNet's ``ReLU(inplace=True)``) into out-of-place ones for every method.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch import nn
+
+from ..callbacks.shared import SharedForward
+from ..losses import JacobianFrobenius
+from .timing import machine_description, measure
+
+LAM = 0.01
+METHODS = ("plain", "clone", "double_backprop", "forward_ad", "func_jvp", "functional_jvp")
+JVP_METHODS = ("forward_ad", "func_jvp", "functional_jvp")
+DEFAULT_OUT = "experiments/results/bench_train_cpu"
+
+
+def build(name: str) -> tuple:
+    """``(model, input_shape)`` for a benchmark model name."""
+    if name == "resnet18":
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=10), (3, 32, 32)
+    if name == "mlp":
+        from ..models import MLP
+
+        return MLP(in_features=784, hidden=(512, 512), num_classes=10), (1, 28, 28)
+    raise ValueError(f"bench train: unknown model {name!r}; expected 'resnet18' or 'mlp'.")
+
+
+class FixedDirection(JacobianFrobenius):
+    """JacobianFrobenius along one given direction (gradient checks against the alternatives)."""
+
+    def __init__(self, u: torch.Tensor):
+        super().__init__(1)
+        self.u = u
+
+    def directions(self, x, context):
+        return self.u[None]
+
+
+class Step:
+    """One method's training step on a private copy of the model (same initial weights for all)."""
+
+    def __init__(self, method: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, u: torch.Tensor):
+        self.method, self.initial, self.x, self.y, self.u = method, model, x, y, u
+        self.model = copy.deepcopy(model).train()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.shared = SharedForward(self.model) if method == "clone" else None
+        self.random_penalty = JacobianFrobenius(1)
+
+    def __call__(self) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss(self.model, self.shared, self.random_penalty)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+    def gradient(self) -> Dict[str, torch.Tensor]:
+        """Parameter gradients at the initial weights along the fixed direction ``u`` (no update)."""
+        model = copy.deepcopy(self.initial).train()
+        shared = SharedForward(model) if self.method == "clone" else None
+        loss = self.loss(model, shared, FixedDirection(self.u))
+        grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+        return {n: g for (n, _), g in zip(model.named_parameters(), grads) if g is not None}
+
+    def loss(self, model: nn.Module, shared: Optional[SharedForward], penalty: JacobianFrobenius) -> torch.Tensor:
+        x, y, u, b = self.x, self.y, self.u, self.x.shape[0]
+        if self.method == "plain":
+            return F.cross_entropy(model(x), y)
+        if self.method == "clone":  # the callbacks' code path: hooks armed around the user's forward
+            shared.arm([(penalty, LAM, 1.0)])
+            try:
+                out = model(x)  # plain f(x) for the user's code; the clone forward ran underneath
+                return F.cross_entropy(out, y) + shared.total()
+            finally:
+                shared.disarm()
+        if self.method == "double_backprop":  # Hoffman et al.: random unit output projection, C ||v^T J||^2 / 2B
+            xg = x.clone().requires_grad_()
+            out = model(xg)
+            c = out.shape[1]
+            v = torch.randn(b, c, dtype=out.dtype)
+            v = v / v.norm(dim=1, keepdim=True)
+            (jv,) = torch.autograd.grad(out, xg, v, create_graph=True)
+            return F.cross_entropy(out, y) + LAM * 0.5 * c * jv.pow(2).sum() / b
+        if self.method == "forward_ad":
+            with fwAD.dual_level():
+                out, t = fwAD.unpack_dual(model(fwAD.make_dual(x, u)))
+                return F.cross_entropy(out, y) + LAM * t.pow(2).sum() / b
+        if self.method == "func_jvp":
+            out, t = torch.func.jvp(model, (x,), (u,))
+            return F.cross_entropy(out, y) + LAM * t.pow(2).sum() / b
+        if self.method == "functional_jvp":  # the double-backward trick
+            out, t = torch.autograd.functional.jvp(model, x, u, create_graph=True)
+            return F.cross_entropy(out, y) + LAM * t.pow(2).sum() / b
+        raise ValueError(f"unknown method {self.method!r}")
+
+
+def _grad_check(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor]) -> float:
+    """Largest relative gradient difference ``max_p ||g_p - r_p|| / ||r_p||``."""
+    worst = 0.0
+    for n, r in ref.items():
+        g = got.get(n, torch.zeros_like(r))
+        worst = max(worst, float((g - r).norm() / r.norm().clamp_min(1e-30)))
+    return worst
+
+
+def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[str], inplace: bool = True,
+              profile: bool = False, log=print) -> List[dict]:
+    torch.manual_seed(0)
+    model, shape = build(name)
+    if not inplace:  # same math; in-place activations become out-of-place for every method
+        for mod in model.modules():
+            if hasattr(mod, "inplace"):
+                mod.inplace = False
+    x = torch.randn(batch, *shape)
+    y = torch.randint(0, 10, (batch,))
+    u = torch.randn_like(x)
+    rows: List[dict] = []
+    steps: Dict[str, Step] = {}
+    for method in methods:
+        row = {"model": name, "method": method, "batch": batch, "input": list(shape)}
+        try:
+            step = Step(method, model, x, y, u)
+            for _ in range(max(1, warmup)):  # fails fast, before any timing
+                step()
+            steps[method] = step
+            row["status"] = "ok"
+        except Exception as err:  # noqa: BLE001  (recorded: the point is which alternatives fail)
+            row.update(status="fails", error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        rows.append(row)
+    # Round-robin repeats (one timed step per method per round), so a change in the load of a shared
+    # machine hits every method alike instead of biasing the ratios.
+    wall: Dict[str, List[float]] = {m: [] for m in steps}
+    cpu: Dict[str, List[float]] = {m: [] for m in steps}
+    for _ in range(repeats):
+        for method, step in steps.items():
+            c0 = time.process_time()
+            wall[method].append(measure(step, repeats=1, warmup=0)["median"])
+            cpu[method].append(time.process_time() - c0)
+    for row in rows:
+        m = row["method"]
+        if row["status"] == "ok":
+            w = wall[m]
+            row.update(median_s=statistics.median(w), mean_s=statistics.fmean(w), min_s=min(w),
+                       std_s=statistics.pstdev(w) if len(w) > 1 else 0.0, repeats=len(w),
+                       cpu_median_s=statistics.median(cpu[m]))
+        log(f"  {name:<9} {m:<16} " + (f"{row['median_s'] * 1e3:9.1f} ms" if row["status"] == "ok"
+                                         else f"fails ({row['error'][:90]})"))
+    if profile:
+        for row in rows:
+            if row["status"] == "ok":
+                row["profile"] = profile_breakdown(steps[row["method"]])
+    if "clone" in steps:
+        ref = steps["clone"].gradient()
+        for row in rows:
+            if row["method"] in JVP_METHODS and row["status"] == "ok":
+                err = _grad_check(ref, steps[row["method"]].gradient())
+                row["grad_check_rel_err"] = err
+                row["grad_check"] = "ok" if err < 1e-3 else "WRONG gradients"
+    plain = next((r for r in rows if r["method"] == "plain" and r["status"] == "ok"), None)
+    clone = next((r for r in rows if r["method"] == "clone" and r["status"] == "ok"), None)
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        if plain:
+            row["vs_plain"] = row["median_s"] / plain["median_s"]
+            row["cpu_vs_plain"] = row["cpu_median_s"] / plain["cpu_median_s"]
+        if clone:
+            row["vs_clone"] = row["median_s"] / clone["median_s"]
+            row["cpu_vs_clone"] = row["cpu_median_s"] / clone["cpu_median_s"]
+    return rows
+
+
+_ELEMENTWISE = {"aten::mul", "aten::mul_", "aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::sum",
+                "aten::div", "aten::div_", "aten::neg", "aten::mean", "aten::pow", "aten::rsqrt", "aten::where",
+                "aten::threshold_backward", "aten::clamp_min", "aten::relu"}
+_MEMORY = {"aten::fill_", "aten::zero_", "aten::copy_", "aten::cat", "aten::stack", "aten::empty", "aten::zeros",
+           "aten::empty_strided", "aten::clone", "aten::index_put_"}
+
+
+def _category(op: str) -> str:
+    if "convolution_backward" in op:
+        return "conv backward"
+    if "convolution" in op or op in ("aten::mm", "aten::addmm", "aten::bmm"):
+        return "conv/matmul"
+    if "batch_norm" in op:
+        return "batch_norm kernels"
+    if op in _ELEMENTWISE:
+        return "elementwise + reductions"
+    if op in _MEMORY:
+        return "fill/copy/cat/alloc"
+    return "other aten"
+
+
+def profile_breakdown(step: "Step", n: int = 3) -> Dict[str, Dict[str, float]]:
+    """Self CPU time per step (ms) and op calls per step by category, from ``torch.profiler``."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        for _ in range(n):
+            step()
+    out: Dict[str, Dict[str, float]] = {}
+    for e in prof.key_averages():
+        if not e.key.startswith("aten::"):
+            continue
+        c = out.setdefault(_category(e.key), {"ms": 0.0, "calls": 0.0})
+        c["ms"] += e.self_cpu_time_total / 1e3 / n
+        c["calls"] += e.count / n
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
+def targets(rows: List[dict]) -> List[dict]:
+    """The two targets per model: clone <= 2.1x plain; every running alternative >= 2x clone."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model and r["status"] == "ok"]
+        clone = next((r for r in mine if r["method"] == "clone"), None)
+        if clone is None or "vs_plain" not in clone:
+            continue
+        out.append({"model": model, "target": "clone step <= 2.1x plain step", "value": clone["vs_plain"],
+                    "met": clone["vs_plain"] <= 2.1})
+        for r in mine:
+            if r["method"] not in ("plain", "clone"):
+                out.append({"model": model, "target": f"{r['method']} >= 2x clone step", "value": r["vs_clone"],
+                            "met": r["vs_clone"] >= 2.0})
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Training-step benchmark (CPU)", "",
+             "One full step (zero_grad, forward, backward, SGD step), median over round-robin repeats. `clone` is "
+             "task loss + lambda * JacobianFrobenius (1 projection, whole batch) through the callbacks' "
+             "shared forward; the others are the autodiff alternatives (see `jvpreg/bench/train.py`). "
+             "Models in train mode (ResNet-18: train-mode BatchNorm)."
+             + ("" if result["inplace_activations"] else " In-place activations made out-of-place for every "
+                "method (`--no-inplace`)."), "",
+             f"Command: `{result['command']}`", "",
+             f"Machine: {result['machine']['cpu']}, {result['machine']['cpu_cores']} cores, "
+             f"torch {result['machine']['torch']} ({result['machine']['torch_threads']} threads); load average "
+             f"at start {result['load_average_start']}, at end {result['load_average_end']} (shared machine).", "",
+             "Wall-clock medians are what the targets use; process CPU time (all threads) is shown too, as it "
+             "is less sensitive to other jobs on a shared machine.", "",
+             "| model | method | median step (ms) | vs plain | vs clone | CPU time (ms) | CPU vs plain | "
+             "CPU vs clone | status |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    nan = float("nan")
+    for r in result["results"]:
+        if r["status"] == "ok":
+            status = "ok" + (f"; grad check: {r['grad_check']} (rel. err {r['grad_check_rel_err']:.1e})"
+                             if "grad_check" in r else "")
+            lines.append(f"| {r['model']} (B={r['batch']}) | {r['method']} | {r['median_s'] * 1e3:.1f} | "
+                         f"{r.get('vs_plain', nan):.2f}x | {r.get('vs_clone', nan):.2f}x | "
+                         f"{r['cpu_median_s'] * 1e3:.1f} | {r.get('cpu_vs_plain', nan):.2f}x | "
+                         f"{r.get('cpu_vs_clone', nan):.2f}x | {status} |")
+        else:
+            lines.append(f"| {r['model']} (B={r['batch']}) | {r['method']} | fails | | | | | | `{r['error']}` |")
+    lines += ["", "Targets:", ""]
+    for t in result["targets"]:
+        lines.append(f"- {t['model']}: {t['target']}: {t['value']:.2f}x — {'met' if t['met'] else 'MISSED'}")
+    profiled = [r for r in result["results"] if "profile" in r]
+    if profiled:
+        lines += ["", "Where the time goes (`--profile`: torch.profiler self CPU time per step, aten ops by "
+                  "category; the profiler adds overhead, compare within a column):", "",
+                  "| model | method | " + " | ".join(_PROFILE_COLUMNS) + " | total |",
+                  "|---|---|" + "---:|" * (len(_PROFILE_COLUMNS) + 1)]
+        for r in profiled:
+            cells = [r["profile"].get(c, {"ms": 0.0, "calls": 0.0}) for c in _PROFILE_COLUMNS]
+            total = sum(v["ms"] for v in r["profile"].values())
+            lines.append(f"| {r['model']} | {r['method']} | "
+                         + " | ".join(f"{c['ms']:.0f} ms ({c['calls']:.0f} ops)" for c in cells) + f" | {total:.0f} ms |")
+    if result.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in result["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+_PROFILE_COLUMNS = ("conv backward", "conv/matmul", "batch_norm kernels", "elementwise + reductions",
+                    "fill/copy/cat/alloc", "other aten")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jvpreg.bench train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="resnet18,mlp", help="comma-separated: resnet18, mlp")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--no-inplace", action="store_true",
+                        help="make in-place activations (ResNet's ReLU(inplace=True)) out-of-place for every method")
+    parser.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown per method")
+    parser.add_argument("--note", action="append", default=[], help="a note for the Markdown report (repeatable)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="output path without extension ('' to skip writing)")
+    args = parser.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        parser.error(f"unknown method(s) {bad}; expected a subset of {list(METHODS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = "python -m jvpreg.bench train " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                   else sys.argv[1:]))
+    load0 = [round(v, 2) for v in os.getloadavg()]
+    print(f"bench train: {args.models} batch {args.batch}, {args.repeats} repeats, {torch.get_num_threads()} threads")
+    rows: List[dict] = []
+    for name in args.models.split(","):
+        rows += run_model(name, args.batch, args.repeats, args.warmup, methods, inplace=not args.no_inplace,
+                          profile=args.profile)
+    result = {"command": command.strip(), "machine": machine_description("cpu"), "load_average_start": load0,
+              "inplace_activations": not args.no_inplace, "threads": torch.get_num_threads(),
+              "load_average_end": [round(v, 2) for v in os.getloadavg()], "lambda": LAM,
+              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "notes": list(args.note), "results": rows}
+    result["targets"] = targets(rows)
+    md = markdown(result)
+    print()
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".md").write_text(md)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=float) + "\n")
+        print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,499 @@
+"""Lightning callbacks that add JVP penalties to an existing LightningModule's training step.
+
+How it attaches (no change to the user's code). At ``on_fit_start`` the callbacks of one Trainer
+register with one coordinator per LightningModule, which (1) hooks the regularized module (the
+LightningModule itself, or the submodule named by ``module=``) with a :class:`SharedForward` and
+(2) wraps ``pl_module.training_step`` (restored at ``teardown``/``on_exception``). In a step where at
+least one regularizer is active, the wrapper arms the hooks with every active penalty; the first
+call of the module inside ``training_step`` then runs ONE clone forward of ``(1 + sum_i k_i) B`` rows
+(pre-hook packs, forward hook unpacks), the user's code receives the plain ``f(x)`` and computes its
+loss as usual, and the wrapper adds ``sum_i weight_i(t) * penalty_i`` to the loss it returns (a tensor
+or the ``"loss"`` of a dict). One backward then gives exact gradients of task loss + penalties, so
+precision plugins (autocast), gradient accumulation (Lightning divides the returned loss), gradient
+clipping and DDP (gradients of the one graph are all-reduced as usual) need nothing special.
+
+Steps (``weight`` schedules, ``every_n_steps``) are optimizer steps, ``trainer.global_step``: with
+gradient accumulation all micro-batches of one optimizer step are treated alike.
+
+SyncBatchNorm: with ``sync_batchnorm=True`` the engine's clone rule all-reduces the statistics of
+the primal rows only. PyTorch's SyncBatchNorm refuses CPU tensors, so the DDP test runs on CPU
+without it.
+
+Not supported (clear error at ``setup``): manual optimization (use :func:`regularized_forward` in
+the training step) and sharded strategies (FSDP, DeepSpeed, model parallel), whose parameter
+flattening/sharding conflicts with swapping parameters and packing the batch.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import math
+import weakref
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from pytorch_lightning import Callback, LightningModule, Trainer
+
+from ..losses.base import (JVPPenalty, Stack, Term, as_terms, check_choice, check_float, check_int,
+                           regularized_forward)
+from ..losses.constraints import TRANSFORMS, JVPConstraint, TangentProp
+from ..losses.jacobian import JacobianFrobenius, JacobianSpectralNorm
+from ..losses.sensitivity import ParameterSensitivity
+from .shared import SharedForward
+
+__all__ = [
+    "ConstraintRegularizer", "JVPRegularizer", "JacobianRegularizer", "ParameterSensitivityRegularizer",
+    "SpectralRegularizer", "TangentPropRegularizer", "regularized_forward",
+]
+
+SCHEDULES = ("constant", "linear_warmup", "cosine")
+_UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
+
+
+# --------------------------------------------------------------------------- the coordinator
+
+
+class _Coordinator:
+    """Shared by every regularizer callback of one LightningModule: hooks, step wrappers, one forward."""
+
+    def __init__(self, pl_module: LightningModule):
+        self.pl_module = pl_module
+        self.callbacks: List["JVPRegularizer"] = []
+        self.forwards: Dict[str, SharedForward] = {}
+        self._saved: Dict[str, Any] = {}
+        self._val_penalty = JacobianFrobenius(name="jacobian_fro", seed=0)  # leaves the global RNG alone
+
+    # -- registration -----------------------------------------------------------------------
+    def attach(self, cb: "JVPRegularizer") -> None:
+        if cb in self.callbacks:
+            return
+        path = cb.module or ""
+        sf = self.forwards.get(path)
+        if sf is None:
+            sf = SharedForward(_resolve(self.pl_module, cb.module, type(cb).__name__),
+                               input_index=cb.input_index, input_key=cb.input_key)
+            self.forwards[path] = sf
+        elif (sf.input_index, sf.input_key) != (cb.input_index, cb.input_key):
+            raise ValueError(f"{type(cb).__name__}(name={cb.name!r}): regularizers of module={cb.module!r} must "
+                             f"agree on the input: got input_index={cb.input_index}, input_key={cb.input_key!r} "
+                             f"and input_index={sf.input_index}, input_key={sf.input_key!r}.")
+        self.callbacks.append(cb)
+        if len(self.callbacks) == 1:
+            self._wrap("training_step", self._training_step)
+            self._wrap("validation_step", self._validation_step)
+
+    def detach(self, cb: "JVPRegularizer") -> bool:
+        """Unregister ``cb``; the last one restores the module. True when nothing is left."""
+        if cb in self.callbacks:
+            self.callbacks.remove(cb)
+        if self.callbacks:
+            return False
+        for sf in self.forwards.values():
+            sf.remove()
+        self.forwards.clear()
+        for name, prev in self._saved.items():
+            if prev is None:
+                self.pl_module.__dict__.pop(name, None)
+            else:
+                self.pl_module.__dict__[name] = prev
+        self._saved.clear()
+        return True
+
+    def _wrap(self, name: str, impl) -> None:
+        self._saved[name] = self.pl_module.__dict__.get(name)
+        orig = getattr(self.pl_module, name)
+
+        @functools.wraps(orig)
+        def wrapper(*args, **kwargs):
+            return impl(orig, *args, **kwargs)
+
+        self.pl_module.__dict__[name] = wrapper
+
+    # -- steps ------------------------------------------------------------------------------
+    def _training_step(self, orig, *args, **kwargs):
+        pl_module = self.pl_module
+        trainer = pl_module.trainer
+        step = trainer.global_step
+        batch = args[0] if args else kwargs.get("batch")
+        groups: Dict[str, List[Tuple["JVPRegularizer", float]]] = {}
+        for cb in self.callbacks:
+            w = cb.weight_at(step)
+            if cb.is_active(step, w):
+                groups.setdefault(cb.module or "", []).append((cb, w))
+        if not groups:
+            return orig(*args, **kwargs)
+        for path, cbs in groups.items():
+            terms, targets = [], []
+            for cb, _ in cbs:
+                y = cb.target_of(batch)
+                terms.extend(cb.terms)
+                targets.extend([y] * len(cb.terms))
+            self.forwards[path].arm(terms, targets)
+        try:
+            out = orig(*args, **kwargs)
+            if out is None:  # the user skipped this batch
+                return out
+            missing = [p for p in groups if not self.forwards[p].fired]
+            if missing:
+                where = ", ".join(f"{cbs[0][0].name!r}" for p, cbs in groups.items() if p in missing)
+                mods = ", ".join(repr(p or "<the LightningModule>") for p in missing)
+                raise RuntimeError(f"JVPRegularizer({where}): the regularized module {mods} was not called during "
+                                   "training_step, so no penalty was computed. Pass module='<attribute path>' of the "
+                                   "submodule your training_step calls (e.g. module='net').")
+            total = None
+            for path, cbs in groups.items():
+                sf = self.forwards[path]
+                values = list(sf.values)
+                for cb, w in cbs:
+                    n = len(cb.terms)
+                    mine, values = values[:n], values[n:]
+                    value = None
+                    for (_, tw, _), v in zip(cb.terms, mine):
+                        v = v if tw == 1.0 else v * tw
+                        value = v if value is None else value + v
+                    cb._record(pl_module, value, w, sf.batch_size)
+                    term = value * w
+                    total = term if total is None else total + term
+            return _add_to_loss(out, total)
+        finally:
+            for path in groups:
+                self.forwards[path].disarm()
+
+    def _validation_step(self, orig, *args, **kwargs):
+        cb = next((c for c in self.callbacks if c.log_val_jacobian), None)
+        if cb is None:
+            return orig(*args, **kwargs)
+        sf = self.forwards[cb.module or ""]
+        sf.arm([(self._val_penalty, 1.0, 1.0)])
+        try:
+            out = orig(*args, **kwargs)
+            if sf.values is not None:
+                value = sf.values[0].detach().float().clamp_min(0).sqrt()
+                self.pl_module.log("val/jacobian_fro", value, on_step=False, on_epoch=True, sync_dist=True,
+                                   batch_size=sf.batch_size)
+            return out
+        finally:
+            sf.disarm()
+
+
+_COORDINATORS: "weakref.WeakKeyDictionary[LightningModule, _Coordinator]" = weakref.WeakKeyDictionary()
+
+
+def _add_to_loss(out: Any, penalty: torch.Tensor) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out + penalty.to(out.dtype)
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor):
+        new = dict(out)
+        new["loss"] = out["loss"] + penalty.to(out["loss"].dtype)
+        return new
+    raise TypeError("JVPRegularizer: training_step must return a loss tensor or a dict with a 'loss' tensor for the "
+                    f"penalty to be added, got {type(out).__name__}.")
+
+
+def _resolve(pl_module: LightningModule, path: Optional[str], where: str) -> torch.nn.Module:
+    if not path:
+        return pl_module
+    try:
+        return pl_module.get_submodule(path)
+    except AttributeError:
+        names = [n for n, _ in pl_module.named_modules() if n]
+        close = difflib.get_close_matches(path, names, n=3)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        shown = ", ".join(repr(n) for n in names[:10]) + (", ..." if len(names) > 10 else "")
+        raise ValueError(f"{where}: module={path!r} is not a submodule of {type(pl_module).__name__}.{hint} "
+                         f"Its submodules: {shown or '(none)'}.") from None
+
+
+# --------------------------------------------------------------------------- the callback
+
+
+class JVPRegularizer(Callback):
+    """Adds ``weight(t) * penalty`` to the loss of an unmodified LightningModule, from the same forward.
+
+    The module's own forward inside ``training_step`` runs once on the concatenated batch
+    ``[x; x + s u_1; ...]``: ``training_step`` sees the plain ``f(x)`` and the returned loss becomes
+    ``loss + weight(t) * penalty`` (see the module docstring). Several regularizers on one Trainer
+    share ONE forward. Logs ``train/<name>`` (the unweighted penalty) and ``train/<name>_weight``.
+
+    Weight schedules, with ``t = trainer.global_step``: ``constant``: ``w``; ``linear_warmup``:
+    ``w * min(1, (t + 1) / warmup_steps)``; ``cosine``: linear warm-up over ``warmup_steps``, then
+    ``w_f + (w - w_f) (1 + cos(pi p)) / 2`` with ``p = (t - warmup_steps) / (total_steps - warmup_steps)``
+    clipped to ``[0, 1]`` (``w_f = final_weight``).
+
+    Args:
+        penalty: a :class:`~jvpreg.losses.JVPPenalty` or a :class:`~jvpreg.losses.Stack`.
+        weight: the penalty weight ``w >= 0`` (after warm-up).
+        schedule: ``"constant"``, ``"linear_warmup"`` or ``"cosine"``.
+        warmup_steps: optimizer steps of linear warm-up (``>= 1`` for ``"linear_warmup"``).
+        total_steps: end of the cosine decay; ``None``: ``trainer.estimated_stepping_batches``.
+        final_weight: weight at the end of the cosine decay (default 0).
+        every_n_steps: apply the penalty on optimizer steps ``t % n == 0`` only (others run plain).
+        batch_fraction: regularize the first ``ceil(f B)`` rows of each batch (``0 < f <= 1``). Clone
+            mode needs full-size tangent blocks, so the other rows get zero tangents and are not
+            scored: this changes which samples are regularized, not the cost.
+        module: attribute path of the submodule whose forward gets the concatenated batch (e.g.
+            ``"net"`` or ``"backbone.encoder"``); ``None``: the LightningModule itself.
+        input_index: position of the input among the module's forward arguments.
+        input_key: keyword name of the input, or its key in a dict passed at ``input_index``.
+        target_index: position of the targets in a tuple/list batch (passed to direction functions
+            as ``y``); ``None``: no targets.
+        target_key: key of the targets in a dict batch.
+        name: log and state name (default: the penalty's name); must be distinct per callback, as it
+            makes the ``state_key`` (Lightning rejects two callbacks with one ``state_key``).
+        log_val_jacobian: at validation, log ``val/jacobian_fro``, a one-projection estimate of
+            ``sqrt(mean_b ||J_f(x_b)||_F²)`` on each validation batch (one extra block in the val forward).
+
+    Raises:
+        TypeError: arguments of the wrong type.
+        ValueError: out-of-range values or unknown schedule; at ``setup``, an unknown ``module``.
+        NotImplementedError: at ``setup``, manual optimization or a sharded strategy (FSDP, DeepSpeed).
+        RuntimeError: in a step, the regularized module was not called by ``training_step``.
+
+    Example::
+
+        >>> reg = JVPRegularizer(JacobianFrobenius(n_projections=1), weight=0.01, schedule="linear_warmup",
+        ...                      warmup_steps=500, module="net")
+        >>> trainer = Trainer(max_epochs=5, callbacks=[reg])
+        >>> trainer.fit(MyLightningModule(), datamodule)          # no change to MyLightningModule
+    """
+
+    def __init__(self, penalty: Union[JVPPenalty, Stack], weight: float, *, schedule: str = "constant",
+                 warmup_steps: int = 0, total_steps: Optional[int] = None, final_weight: float = 0.0,
+                 every_n_steps: int = 1, batch_fraction: float = 1.0, module: Optional[str] = None,
+                 input_index: int = 0, input_key: Optional[str] = None, target_index: Optional[int] = 1,
+                 target_key: Optional[str] = None, name: Optional[str] = None, log_val_jacobian: bool = False):
+        where = f"{type(self).__name__}(...)"
+        if not isinstance(penalty, (JVPPenalty, Stack)):
+            raise TypeError(f"{where}: expected penalty to be a jvpreg.losses.JVPPenalty or Stack, "
+                            f"got {type(penalty).__name__}.")
+        self.penalty = penalty
+        self.weight = check_float(where, "weight", weight, low=0.0)
+        self.schedule = check_choice(where, "schedule", schedule, SCHEDULES)
+        self.warmup_steps = check_int(where, "warmup_steps", warmup_steps, 0)
+        if schedule == "linear_warmup" and self.warmup_steps < 1:
+            raise ValueError(f"{where}: schedule='linear_warmup' needs warmup_steps >= 1, got {warmup_steps}.")
+        if total_steps is not None:
+            check_int(where, "total_steps", total_steps, 1)
+            if schedule == "cosine" and total_steps <= self.warmup_steps:
+                raise ValueError(f"{where}: expected total_steps > warmup_steps for schedule='cosine', got "
+                                 f"total_steps={total_steps}, warmup_steps={warmup_steps}.")
+        self.total_steps = total_steps
+        self.final_weight = check_float(where, "final_weight", final_weight, low=0.0)
+        self.every_n_steps = check_int(where, "every_n_steps", every_n_steps, 1)
+        self.batch_fraction = check_float(where, "batch_fraction", batch_fraction, low=0.0, high=1.0, low_open=True)
+        if module is not None and (not isinstance(module, str) or not module):
+            raise TypeError(f"{where}: expected module to be None or a non-empty attribute path str, got {module!r}.")
+        self.module = module
+        self.input_index = check_int(where, "input_index", input_index, 0)
+        for arg, val in (("input_key", input_key), ("target_key", target_key)):
+            if val is not None and (not isinstance(val, str) or not val):
+                raise TypeError(f"{where}: expected {arg} to be None or a non-empty str, got {val!r}.")
+        self.input_key = input_key
+        self.target_index = None if target_index is None else check_int(where, "target_index", target_index, 0)
+        self.target_key = target_key
+        if name is not None and (not isinstance(name, str) or not name):
+            raise TypeError(f"{where}: expected name to be None or a non-empty str, got {name!r}.")
+        self.name = name or (penalty.name if isinstance(penalty, JVPPenalty) else "jvp_penalty")
+        if not isinstance(log_val_jacobian, bool):
+            raise TypeError(f"{where}: expected log_val_jacobian to be a bool, got {log_val_jacobian!r}.")
+        self.log_val_jacobian = log_val_jacobian
+        self.terms: List[Term] = [(p, w, min(f, self.batch_fraction)) for p, w, f in as_terms(penalty, where)]
+        self.steps_applied = 0
+        self.last_value: Optional[float] = None
+        self._total_steps: Optional[int] = total_steps
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(name=self.name)
+
+    # -- schedule ---------------------------------------------------------------------------
+    def weight_at(self, step: int) -> float:
+        """The scheduled weight at optimizer step ``step``."""
+        w = self.weight
+        if self.schedule == "constant":
+            return w
+        if self.warmup_steps and step < self.warmup_steps:
+            return w * (step + 1) / self.warmup_steps
+        if self.schedule == "linear_warmup":
+            return w
+        total = self._total_steps
+        if total is None:
+            return w
+        p = min(1.0, max(0.0, (step - self.warmup_steps) / max(1, total - self.warmup_steps)))
+        return self.final_weight + (w - self.final_weight) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+    def is_active(self, step: int, weight: Optional[float] = None) -> bool:
+        """Whether the penalty runs at optimizer step ``step`` (``every_n_steps``, non-zero weight)."""
+        w = self.weight_at(step) if weight is None else weight
+        return w > 0 and step % self.every_n_steps == 0
+
+    def target_of(self, batch: Any) -> Any:
+        """The targets of ``batch`` (``target_key``/``target_index``), or ``None``."""
+        if self.target_key is not None and isinstance(batch, Mapping):
+            return batch.get(self.target_key)
+        if self.target_index is not None and isinstance(batch, (tuple, list)) and len(batch) > self.target_index:
+            return batch[self.target_index]
+        return None
+
+    def _record(self, pl_module: LightningModule, value: torch.Tensor, weight: float, batch_size: Optional[int]):
+        self.steps_applied += 1
+        v = value.detach()
+        self.last_value = float(v)
+        pl_module.log(f"train/{self.name}", v.float(), on_step=True, on_epoch=False, batch_size=batch_size)
+        pl_module.log(f"train/{self.name}_weight", float(weight), on_step=True, on_epoch=False, batch_size=batch_size)
+
+    # -- Lightning hooks --------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        where = f"{type(self).__name__}(name={self.name!r})"
+        names = {c.__name__ for c in type(trainer.strategy).__mro__}
+        bad = sorted(names.intersection(_UNSUPPORTED_STRATEGIES))
+        if bad:
+            raise NotImplementedError(f"{where}: only implemented for single-device and DDP strategies; got "
+                                      f"{type(trainer.strategy).__name__}, which shards or flattens parameters. "
+                                      "Use strategy='ddp' (or 'ddp_spawn') or a single device.")
+        if not pl_module.automatic_optimization:
+            raise NotImplementedError(f"{where}: only implemented for automatic optimization; this LightningModule "
+                                      "sets automatic_optimization=False. Call jvpreg.callbacks.regularized_forward("
+                                      "model, x, penalty) inside your training_step and add the penalty to your loss.")
+        _resolve(pl_module, self.module, where)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.schedule == "cosine" and self.total_steps is None:
+            est = trainer.estimated_stepping_batches
+            if not math.isfinite(est):
+                raise ValueError(f"{type(self).__name__}(name={self.name!r}): schedule='cosine' needs total_steps= "
+                                 "when the Trainer has no max_steps/max_epochs limit.")
+            self._total_steps = int(est)
+        coord = _COORDINATORS.get(pl_module)
+        if coord is None:
+            coord = _COORDINATORS[pl_module] = _Coordinator(pl_module)
+        coord.attach(self)
+
+    def _detach(self, pl_module: LightningModule) -> None:
+        coord = _COORDINATORS.get(pl_module)
+        if coord is not None and coord.detach(self):
+            _COORDINATORS.pop(pl_module, None)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._detach(pl_module)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._detach(pl_module)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"penalty": self.penalty.state_dict(), "steps_applied": self.steps_applied,
+                "total_steps": self._total_steps, "last_value": self.last_value}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.penalty.load_state_dict(state_dict["penalty"])
+        self.steps_applied = int(state_dict.get("steps_applied", 0))
+        self.last_value = state_dict.get("last_value")
+        if self.total_steps is None:
+            self._total_steps = state_dict.get("total_steps")
+
+
+class JacobianRegularizer(JVPRegularizer):
+    """Jacobian (Frobenius) regularization: ``weight * JacobianFrobenius`` from the training forward.
+
+    ``penalty = c/(k m) sum_j ||J_f(x) u_j||²`` (Hutchinson, ``E = c * mean_b ||J_f(x_b)||_F²``; ``c = 1/2``
+    with ``normalize="hoffman"``, so Hoffman et al.'s ``lambda_JR`` transfers as ``weight``).
+
+    Args:
+        weight: the penalty weight.
+        n_projections, distribution, normalize, seed: see :class:`~jvpreg.losses.JacobianFrobenius`.
+        **kwargs: the options of :class:`JVPRegularizer` (schedule, every_n_steps, module, ...).
+
+    Example::
+
+        >>> trainer = Trainer(max_epochs=5, callbacks=[JacobianRegularizer(weight=0.01, module="net")])
+    """
+
+    def __init__(self, weight: float, n_projections: int = 1, distribution: str = "gaussian",
+                 normalize: Optional[str] = None, *, seed: Optional[int] = None, **kwargs: Any):
+        pen = JacobianFrobenius(n_projections, distribution, normalize, seed=seed)
+        super().__init__(pen, weight, **kwargs)
+
+
+class TangentPropRegularizer(JVPRegularizer):
+    """Tangent prop: ``weight * (1/m) sum_b sum_t ||J_f(x_b) tau_t(x_b)||²`` for image transformations ``t``.
+
+    Args:
+        weight: the penalty weight.
+        transforms, gradient: see :class:`~jvpreg.losses.TangentProp`.
+        **kwargs: the options of :class:`JVPRegularizer`.
+
+    Example::
+
+        >>> trainer = Trainer(callbacks=[TangentPropRegularizer(weight=1e-3, transforms=("rotate", "scale"))])
+    """
+
+    def __init__(self, weight: float, transforms: Union[str, Sequence[str]] = TRANSFORMS, gradient: str = "central",
+                 **kwargs: Any):
+        super().__init__(TangentProp(transforms, gradient), weight, **kwargs)
+
+
+class ConstraintRegularizer(JVPRegularizer):
+    """A constraint on ``J_f(x) u`` for ``u = direction(x, y)``: invariance, monotonicity, target, Lipschitz.
+
+    ``penalty = mean_b h(J_f(x_b) u_b)`` with ``h`` given by ``kind`` (see :class:`~jvpreg.losses.JVPConstraint`);
+    ``y`` comes from the batch (``target_index``/``target_key``).
+
+    Args:
+        direction: ``direction(x, y) -> u`` or a fixed tensor.
+        weight: the penalty weight.
+        kind, target, lipschitz, margin, power: see :class:`~jvpreg.losses.JVPConstraint`.
+        **kwargs: the options of :class:`JVPRegularizer`.
+
+    Example::
+
+        >>> mono = ConstraintRegularizer(torch.tensor([1.0, 0, 0, 0]), weight=1.0, kind="nonneg")
+        >>> trainer = Trainer(callbacks=[mono])
+    """
+
+    def __init__(self, direction: Any, weight: float, kind: str = "zero", target: Any = None,
+                 lipschitz: Optional[float] = None, *, margin: float = 0.0, power: float = 1.0, **kwargs: Any):
+        pen = JVPConstraint(direction, kind, target, lipschitz, margin=margin, power=power)
+        super().__init__(pen, weight, **kwargs)
+
+
+class ParameterSensitivityRegularizer(JVPRegularizer):
+    """Flatness: ``weight * E_U ||J_W f(x) U||²`` for random directions on the weights matching ``params``.
+
+    Args:
+        weight: the penalty weight.
+        params, n_projections, relative, distribution, seed: see :class:`~jvpreg.losses.ParameterSensitivity`
+            (names are relative to the regularized ``module``).
+        **kwargs: the options of :class:`JVPRegularizer`.
+
+    Example::
+
+        >>> trainer = Trainer(callbacks=[ParameterSensitivityRegularizer(1e-3, params="net.layer4.*weight")])
+    """
+
+    def __init__(self, weight: float, params: Union[str, Sequence[str]] = ("*conv*weight",), n_projections: int = 1,
+                 relative: bool = True, distribution: str = "gaussian", *, seed: Optional[int] = None, **kwargs: Any):
+        pen = ParameterSensitivity(params, n_projections, relative, distribution, seed=seed)
+        super().__init__(pen, weight, **kwargs)
+
+
+class SpectralRegularizer(JVPRegularizer):
+    """Spectral-norm regularization: ``weight * mean_b ||J_f(x_b) v_b||²`` with power-iteration vectors ``v_b``.
+
+    The vectors persist across steps and are saved in the callback's checkpoint state; one power
+    iteration per step comes free with the training backward (see
+    :class:`~jvpreg.losses.JacobianSpectralNorm`).
+
+    Args:
+        weight: the penalty weight.
+        n_iter, seed: see :class:`~jvpreg.losses.JacobianSpectralNorm`.
+        **kwargs: the options of :class:`JVPRegularizer`.
+
+    Example::
+
+        >>> trainer = Trainer(callbacks=[SpectralRegularizer(weight=0.01)])
+    """
+
+    def __init__(self, weight: float, n_iter: int = 1, *, seed: Optional[int] = None, **kwargs: Any):
+        super().__init__(JacobianSpectralNorm(n_iter, seed=seed), weight, **kwargs)

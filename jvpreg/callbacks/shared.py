@@ -1,0 +1,149 @@
+"""Forward hooks that turn the next call of a module into the shared clone forward (no Lightning needed).
+
+:class:`SharedForward` registers a forward pre-hook and a forward hook on a module once. While armed
+with penalty terms, the *first* call of the module packs its input (and swaps the perturbed
+parameters for clones) in the pre-hook via :func:`jvpreg.losses.prepare`, and the forward hook
+unpacks the output via :meth:`jvpreg.losses.Plan.finish`, keeps the penalty values and returns the
+plain ``f(x)`` to the caller, so the caller's code sees exactly what a plain forward returns. Later
+calls in the same step, nested calls, and calls while disarmed pass through untouched. The Lightning
+callbacks arm it around ``training_step``; the training benchmark uses it around a hand-written step.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..losses.base import Plan, Term, prepare
+
+__all__ = ["SharedForward"]
+
+
+class SharedForward:
+    """Arms a module so that its next forward is the shared clone forward of some penalty terms.
+
+    Args:
+        module: the module whose forward receives the concatenated batch.
+        input_index: position of the input in the module's positional arguments.
+        input_key: name of the input when passed as a keyword argument, or key of the input inside
+            a dict passed at ``input_index``.
+
+    Example::
+
+        >>> shared = SharedForward(model)
+        >>> shared.arm([(JacobianFrobenius(), 0.01, 1.0)])
+        >>> out = model(x)                      # plain f(x); the clone forward ran underneath
+        >>> loss = F.cross_entropy(out, y) + shared.total()
+        >>> shared.disarm()
+    """
+
+    def __init__(self, module: nn.Module, *, input_index: int = 0, input_key: Optional[str] = None):
+        self.module = module
+        self.input_index = input_index
+        self.input_key = input_key
+        self._terms: Optional[List[Term]] = None
+        self._targets: Optional[List[Any]] = None
+        self._plan: Optional[Plan] = None
+        self._cm = None
+        self._depth = 0
+        self._busy = False
+        self.fired = False
+        self.plan: Optional[Plan] = None
+        self.values: Optional[List[torch.Tensor]] = None
+        self.batch_size: Optional[int] = None
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+            module.register_forward_hook(self._post_hook),
+        ]
+
+    # -- arming -----------------------------------------------------------------------------
+    def arm(self, terms: Sequence[Term], targets: Optional[Sequence[Any]] = None) -> None:
+        """Clone the next call of the module for ``terms`` (``(penalty, weight, batch_fraction)``)."""
+        self.disarm()
+        self._terms = list(terms)
+        self._targets = None if targets is None else list(targets)
+
+    def disarm(self) -> None:
+        """Forget the armed terms and results; restore swapped parameters if a forward failed midway."""
+        self._exit()
+        self._terms = self._targets = self._plan = self.plan = self.values = self.batch_size = None
+        self._depth = 0
+        self.fired = False
+
+    def remove(self) -> None:
+        """Remove the hooks from the module."""
+        self.disarm()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def total(self) -> torch.Tensor:
+        """``sum_i w_i penalty_i`` of the last cloned call."""
+        if self.values is None:
+            raise RuntimeError(f"SharedForward: {type(self.module).__name__} was not called since arm().")
+        return self.plan.total(self.values)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _exit(self) -> None:
+        cm, self._cm = self._cm, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    def _locate(self, args: tuple, kwargs: dict) -> Tuple[Any, Any]:
+        """``(x, put)`` where ``put(z)`` returns ``(args, kwargs)`` with the input replaced by ``z``."""
+        key, idx = self.input_key, self.input_index
+        if key is not None and key in kwargs:
+            return kwargs[key], lambda z: (args, {**kwargs, key: z})
+        if idx < len(args):
+            value = args[idx]
+            if isinstance(value, Mapping) and key is not None:
+                if key not in value:
+                    raise ValueError(f"JVPRegularizer: input_key={key!r} is not a key of the dict passed to "
+                                   f"{type(self.module).__name__}.forward (keys: {list(value)}).")
+                return value[key], lambda z: (args[:idx] + ({**value, key: z},) + args[idx + 1:], kwargs)
+            return value, lambda z: (args[:idx] + (z,) + args[idx + 1:], kwargs)
+        raise ValueError(f"JVPRegularizer: {type(self.module).__name__}.forward got {len(args)} positional "
+                         f"argument(s) and keyword(s) {sorted(kwargs)}; input_index={idx}"
+                         + (f", input_key={key!r}" if key is not None else "")
+                         + " does not select the input. Set input_index/input_key to the argument to regularize.")
+
+    def _bypass(self, args: tuple, kwargs: dict) -> Any:
+        self._busy = True
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._busy = False
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self._busy:
+            return None
+        if self._plan is not None:  # a nested call inside the cloned one
+            self._depth += 1
+            return None
+        if self._terms is None or self.fired:
+            return None
+        self.fired = True
+        x, put = self._locate(args, kwargs)
+
+        def forward(z):
+            a, k = put(z)
+            return self._bypass(a, k)
+
+        plan = prepare(module, x, self._terms, targets=self._targets, forward=forward)
+        self._cm = plan.enter(module)
+        self._plan = plan
+        self.batch_size = int(x.shape[0])
+        return put(plan.x_in)
+
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any):
+        if self._busy or self._plan is None:
+            return None
+        if self._depth:
+            self._depth -= 1
+            return None
+        plan, self._plan = self._plan, None
+        self._exit()
+        out, values = plan.finish(output)
+        self.plan, self.values = plan, values
+        return out

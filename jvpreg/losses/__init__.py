@@ -1,0 +1,17 @@
+"""JVP penalties as ``nn.Module``s, usable without Lightning: ``out, penalty = reg(model, x)``.
+
+Every penalty runs ONE clone forward of ``model`` on the concatenated batch ``[x; x + s u_1; ...]``
+(DESIGN.md, "Shared forward in training"): ``out`` is exactly the plain forward's ``f(x)`` for the
+task loss, and the penalty is differentiable with exact gradients. :class:`Stack` runs several
+penalties in the same forward; :func:`regularized_forward` is the functional form.
+"""
+from .base import JVPPenalty, PenaltyContext, Plan, Stack, prepare, regularized_forward
+from .constraints import JVPConstraint, TangentProp, image_gradients, image_tangents
+from .jacobian import JacobianFrobenius, JacobianSpectralNorm
+from .sensitivity import ParameterSensitivity
+
+__all__ = [
+    "JVPConstraint", "JVPPenalty", "JacobianFrobenius", "JacobianSpectralNorm", "ParameterSensitivity",
+    "PenaltyContext", "Plan", "Stack", "TangentProp", "image_gradients", "image_tangents", "prepare",
+    "regularized_forward",
+]
