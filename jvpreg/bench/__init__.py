@@ -1,1 +1,1 @@
-"""Benchmarks (scripts, not tests): ``python -m jvpreg.bench {jvp,train,paper,spectral} --help``."""
+"""Benchmarks (scripts, not tests): ``python -m jvpreg.bench {jvp,train,paper,spectral,operators} --help``."""

@@ -9,6 +9,7 @@ BENCHMARKS = {
     "train": ("jvpreg.bench.train", "regularized training step vs plain step and double backprop"),
     "paper": ("jvpreg.bench.paper", "the paper's timing tables over 13 architectures"),
     "spectral": ("jvpreg.bench.spectral", "top-k singular values: clone JVPs vs torch.func"),
+    "operators": ("jvpreg.bench.operators", "per-operator slow-down of clone mode (the paper's speed-up figure)"),
 }
 
 

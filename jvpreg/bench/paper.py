@@ -50,6 +50,11 @@ Implementation choices (DESIGN.md asks that they be written down):
 * ``unet`` needs H, W divisible by ``2**depth``: at 100×100 it is built with the deepest depth
   that fits (2); ``inception_v3`` needs ≥ 75×75 and is run at 75×75 when the shape is smaller. Both
   are recorded per row (``image_size``, ``model_kwargs``).
+* On a shared CPU, ``--threads 1 --clock cpu`` times the process CPU clock of one torch thread, which
+  other tenants' load does not inflate (both clocks are recorded per cell), and ``--steady-malloc``
+  (default on CPU) keeps glibc from handing out fresh pages per call (see
+  :func:`jvpreg.bench.report.steady_malloc`): otherwise the first method run in a process and the
+  next pay different page-fault costs for the same buffers.
 * Where ``clone / fwd 2B`` exceeds ``--profile-ratio`` or the speed-up is under
   ``--profile-speedup``, ``torch.profiler`` compares the clone call with the plain 2B forward
   (top ops by self time) and the MD lists the ops where clone spends the most extra time.
@@ -66,7 +71,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
@@ -74,7 +79,7 @@ import torch
 from torch import nn
 
 from . import report
-from .timing import machine_description, measure, sync
+from .timing import machine_description, sync
 
 # --------------------------------------------------------------------------------------------
 # Shapes
@@ -219,11 +224,30 @@ def _build_batch_jacobian(p: Problem):
 
 
 def _jacobian_bytes(p: Problem) -> int:
-    """Size of the per-sample Jacobians ``(B, K, D)`` that ``batch_jacobian`` materialises."""
-    with torch.no_grad():
-        k = p.model(p.x[:1]).numel()
+    """Memory estimate of ``batch_jacobian``: the per-sample Jacobians ``(B, K, D)`` it materialises plus
+    its reverse pass, which carries ``K`` cotangents at once (``vmap`` over ``jacrev``'s rows): about
+    ``3 K`` times the largest activation of one sample (gradient in, gradient out, saved input).
+
+    On CPU an allocation that large is not an exception but the kernel's OOM killer, which would end
+    the whole run; cells above the limit are therefore not attempted (``-*``).
+    """
+    largest = [0]
+
+    def hook(module, inputs, output):
+        if isinstance(output, torch.Tensor):
+            largest[0] = max(largest[0], output.numel() * output.element_size())
+
+    leaves = [m for m in p.model.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    try:
+        with torch.no_grad():
+            k = p.model(p.x[:1]).numel()
+    finally:
+        for h in handles:
+            h.remove()
     d = p.x[0].numel() if p.kind == "x" else p.U.numel()
-    return p.x.shape[0] * k * d * p.x.element_size()
+    n = p.x.shape[0]
+    return n * k * d * p.x.element_size() + 3 * k * largest[0]
 
 
 METHODS: Dict[str, Method] = {
@@ -293,10 +317,10 @@ def _is_oom(err: BaseException) -> bool:
 
 
 _REASONS = [
-    (r"Batching rule not implemented for ([\w:.]+)", r"no vmap batching rule for \1"),
-    (r"doesn't match the broadcast shape", "vmap: in-place op on a captured tensor"),
+    (r"Batching rule not implemented for ([\w:]+(?:\.\w+)*)", r"no vmap batching rule for \1"),
+    (r"doesn't match the broadcast shape", "vmap: shape mismatch in an in-place op"),
     (r"attempted to call in-place operation|mutate a captured Tensor|in-place operation.*captured",
-     "in-place update of a captured tensor (e.g. train-mode BN stats)"),
+     "in-place op on a captured tensor (e.g. BN running stats)"),
     (r"Trying to use forward AD with (\w+)", r"no forward-AD formula for \1"),
     (r"does not support forward-mode|forward-mode AD is not implemented|not implemented for forward",
      "no forward-mode formula"),
@@ -338,6 +362,7 @@ class Settings:
     memory_limit_gb: Optional[float] = None
     rtol: float = 1e-3
     stat: str = "median"
+    clock: str = "wall"
     profile: str = "auto"
     profile_ratio: float = 1.2
     profile_speedup: float = 2.5
@@ -351,12 +376,15 @@ def _budgeted(first: float, s: Settings) -> tuple:
     if s.cell_budget is None or first <= 0 or first * (warmup + repeats) <= s.cell_budget:
         return warmup, repeats
     warmup = 0 if first * 3 > s.cell_budget else min(warmup, 1)  # the check call already warmed up
-    fit = int((s.cell_budget - first * warmup) // first)
+    fit = int((s.cell_budget - first * warmup) / first + 1e-9)
     return warmup, max(min(2, repeats), min(repeats, fit))
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
+def _free(device: torch.device, collect: bool = True) -> None:
+    """Release memory: ``gc.collect`` (slow: ~0.4 s with torch loaded) only when asked, e.g. after a
+    failure, whose traceback keeps the cell's tensors alive in a reference cycle."""
+    if collect:
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -381,6 +409,7 @@ def run_cell(method: Method, problem: Problem, ref: Optional[torch.Tensor], s: S
     device = problem.device
     cell: Dict[str, Any] = {"status": "ok"}
     out = fn = None
+    failed = False
     try:
         if method.memory is not None:
             need, limit = method.memory(problem), _memory_limit(s, device)
@@ -389,24 +418,25 @@ def run_cell(method: Method, problem: Problem, ref: Optional[torch.Tensor], s: S
                          "reason": f"skipped: needs ~{need / 2**30:.1f} GiB > {limit / 2**30:.1f} GiB"}, None)
         fn = method.build(problem)
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
         sync(device)
-        first = time.perf_counter() - t0
+        first_wall = time.perf_counter() - t0
+        first = (time.process_time() - c0) if s.clock == "cpu" else first_wall
         if method.is_jvp and ref is not None:
             cell["max_rel_diff"] = rel_diff(out, ref)
-        warmup, repeats = _budgeted(first, s)
-        cell.update(measure(fn, repeats=repeats, warmup=warmup, device=device))
+        warmup, repeats = _budgeted(first_wall, s)  # the budget is wall time
+        cell.update(report.measure_clocks(fn, repeats=repeats, warmup=warmup, device=device, clock=s.clock))
         cell.update(first_call=first, warmup=warmup)
     except Exception as err:  # noqa: BLE001 - every failure is a table entry, never a crash
-        out = None
+        out, failed = None, True
         cell = {"status": "oom" if _is_oom(err) else "fails", "reason": short_reason(err),
                 "error": f"{type(err).__name__}: {str(err)[:600]}"}
         if cell["status"] == "oom":
             cell["reason"] = "out of memory"
     finally:
         fn = None
-        _free(device)
+        _free(device, collect=failed)
     return cell, (out.detach() if isinstance(out, torch.Tensor) else None)
 
 
@@ -441,6 +471,20 @@ def summarize_row(cells: Mapping[str, Mapping[str, Any]], stat: str, rtol: float
         if fwd.get("status") == "ok":
             out["clone_over_fwd2b"] = clone[stat] / fwd[stat]
     return out
+
+
+def speedup_bound(rows: Sequence[Mapping[str, Any]], stat: str, rtol: float) -> float:
+    """Geometric mean over rows of (fastest agreeing alternative / fwd 2B): the speed-up clone would reach
+    at zero overhead over the plain 2B forward (``nan`` when no row has both)."""
+    vals = []
+    for r in rows:
+        cells = r["cells"]
+        fwd = cells.get("fwd_2b", {})
+        alts = [c[stat] for n, c in cells.items() if METHODS.get(n) and METHODS[n].alternative
+                and c.get("status") == "ok" and (c.get("max_rel_diff") is None or c["max_rel_diff"] <= rtol)]
+        if alts and fwd.get("status") == "ok":
+            vals.append(min(alts) / fwd[stat])
+    return report.geo_mean(vals)
 
 
 def summarize(rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
@@ -617,7 +661,9 @@ def _columns(methods: Sequence[str]) -> List[str]:
 
 
 def render_markdown(result: Mapping[str, Any], notes: str | None = None) -> str:
-    """The Markdown report: one paper-style table per (shape, kind), details, failures, profiles."""
+    """The Markdown report: one paper-style table per (shape, kind), details, failures, profiles, and the
+    findings (``notes``, default: the run's stored ``notes``)."""
+    notes = notes if notes is not None else result.get("notes")
     cfg, rows, machine = result["config"], result["rows"], result["machine"]
     stat, rtol = cfg["stat"], cfg["rtol"]
     methods = cfg["methods"]
@@ -630,13 +676,18 @@ def render_markdown(result: Mapping[str, Any], notes: str | None = None) -> str:
     lines += [f"Machine: {machine['cpu']} ({machine['cpu_cores']} cores, {machine['torch_threads']} torch threads), "
               f"GPU: {gpu}; torch {machine['torch']}, Python {machine['python']}. "
               f"Load average at start/end: {result.get('load_start')} / {result.get('load_end')}. "
-              f"Wall time: {result['elapsed_s'] / 60:.1f} min.", ""]
-    lines += [f"Times are the **{stat}** over {cfg['repeats']} timed runs after {cfg['warmup']} warm-up runs "
-              f"(fewer where `--cell-budget {cfg['cell_budget']}` s applied; see the details table), in seconds, "
-              "float32, parameters frozen. Speed-up = fastest alternative / clone. `fwd 2B` is the plain forward "
-              "of the same 2B-row batch `[x; x + s·u]` (not a JVP: the lower bound for clone mode).", ""]
-    lines += ["Legend: `-` out of memory; `-*` not attempted, the batch Jacobian alone would exceed the memory "
-              f"limit; `fails: …` the method raised (full messages below); `≠` the JVP differs from clone's by more "
+              f"Wall time: {result['elapsed_s'] / 60:.1f} min. Code: {report.describe_git(result.get('git'))}.", ""]
+    clock = ("process CPU time (`--clock cpu`: time other processes hold the core is not counted; "
+             f"{machine['torch_threads']} torch thread(s))" if cfg.get("clock") == "cpu" else "wall-clock time")
+    budget = f" (fewer where `--cell-budget {cfg['cell_budget']}` s applied; see the details table)" \
+        if cfg.get("cell_budget") else ""
+    lines += [f"Times are the **{stat}** {clock} over {cfg['repeats']} timed runs after a checking call and "
+              f"{cfg['warmup']} warm-up runs{budget}, in seconds, float32, parameters frozen"
+              + ("; CPU buffers on a steady heap (`--steady-malloc`)" if cfg.get("steady_malloc") else "")
+              + ". Speed-up = fastest alternative / clone. `fwd 2B` is the plain forward of the same 2B-row "
+              "batch `[x; x + s·u]` (not a JVP: the lower bound for clone mode).", ""]
+    lines += ["Legend: `-` out of memory; `-*` not attempted, the batch Jacobian's estimated memory (Jacobians plus "
+              f"a backward pass carrying K cotangents) exceeds the limit; `fails: …` the method raised (full messages below); `≠` the JVP differs from clone's by more "
               f"than {rtol:g} (max relative difference), excluded from the fastest alternative; `∞` every "
               "alternative failed (excluded from the averages).", ""]
     by_group: Dict[tuple, List] = defaultdict(list)
@@ -672,6 +723,13 @@ def render_markdown(result: Mapping[str, Any], notes: str | None = None) -> str:
         body.append(["**geometric average**"] + pad + [f"**{report.fmt_ratio(summ['speedup_geo'])}**"] + tail)
         lines += [report.md_table(headers, body, "lrl" + "r" * (len(headers) - 3)), ""]
         fm = summ["from_means"]
+        bound = speedup_bound(rs, stat, rtol)
+        n_within = sum(1 for r in rs if r["summary"]["clone_over_fwd2b"] is not None
+                       and r["summary"]["clone_over_fwd2b"] <= cfg["profile_ratio"])
+        if has_fwd:
+            lines += [f"Bound: if clone cost exactly one 2B forward, the speed-up would be fastest alternative / "
+                      f"fwd 2B, geometric mean **{report.fmt_ratio(bound)}** over these rows. clone / fwd 2B ≤ "
+                      f"{cfg['profile_ratio']:g} in {n_within} of {len(rs)} rows.", ""]
         lines += [f"Averages over {summ['speedup_n']} finite speed-ups ({summ['speedup_inf']} infinite). "
                   f"Same averages from mean times: speed-up arith {report.fmt_ratio(fm['speedup_arith'])}, "
                   f"geo {report.fmt_ratio(fm['speedup_geo'])}; clone / fwd 2B geo "
@@ -746,16 +804,18 @@ def plot_speedups(result: Mapping[str, Any], path: str | Path) -> Path:
                     for k, v in d.items())
     title = (f"clone JVP speed-up over the fastest alternative ({result['machine']['device']}; "
              f"geo. mean {geo})")
-    return report.bar_chart(path, models, series, title=title, ylabel="speed-up (×)")
+    target = result["config"].get("profile_speedup")
+    extra = [(target, f"target {target:g}×")] if target else []
+    return report.bar_chart(path, models, series, title=title, ylabel="speed-up (×)", extra_lines=extra)
 
 
 # --------------------------------------------------------------------------------------------
 # CLI
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m jvpreg.bench paper") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jvpreg.bench paper",
+        prog=prog,
         description="The paper's JVP timing tables (timesX/timesW) over its 13 architectures.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shapes", default="small",
@@ -776,6 +836,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval, or train-mode BatchNorm (dropout stays off)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--stat", choices=("median", "mean", "min"), default="median", help="statistic of the tables")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall clock, or the process CPU clock (CPU only; robust to other processes on a "
+                        "shared machine, use with --threads 1). Both are recorded per cell.")
     p.add_argument("--rtol", type=float, default=1e-3, help="max relative difference to clone counted as agreeing")
     p.add_argument("--memory-limit-gb", type=float, default=None,
                    help="skip batch Jacobians larger than this (default: GPU memory, or half the free RAM)")
@@ -783,10 +846,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile clone vs fwd 2B for rows that miss the targets (auto), every row, or none")
     p.add_argument("--profile-ratio", type=float, default=1.2, help="auto-profile rows with clone/fwd2B above this")
     p.add_argument("--profile-speedup", type=float, default=2.5, help="auto-profile rows with speed-up below this")
+    p.add_argument("--steady-malloc", choices=("auto", "on", "off"), default="auto",
+                   help="keep CPU buffers on glibc's heap (no per-call page faults); auto = on for CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="experiments/results/paper", help="output directory")
     p.add_argument("--name", default=None, help="file stem (default: <device>_<shapes>)")
     p.add_argument("--notes", default=None, help="Markdown file appended to the report as 'Findings'")
+    p.add_argument("--from-json", default=None, metavar="JSON",
+                   help="re-render the MD (with --notes) and PNG of an earlier run from its JSON; runs nothing")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -795,7 +862,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jvpreg.bench paper") -> int:
     """Run the grid and write ``<name>.json``, ``<name>.md`` and ``<name>_speedup.png``; returns 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
+    if args.from_json:
+        return _rerender(Path(args.from_json), args)
     from jvpreg.models import PAPER_ARCHITECTURES, list_models
 
     shape_names: List[str] = []
@@ -814,9 +883,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jvpreg.ben
     for flag in ("repeats", "warmup"):
         if getattr(args, flag) < (1 if flag == "repeats" else 0):
             raise SystemExit(f"--{flag}: expected >= {1 if flag == 'repeats' else 0}, got {getattr(args, flag)}")
+    if args.clock == "cpu" and torch.device(args.device).type != "cpu":
+        raise SystemExit("--clock cpu: only meaningful with --device cpu (GPU kernels run asynchronously).")
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = Settings(repeats=args.repeats, warmup=args.warmup, device=args.device, mode=args.mode,
+    steady = args.steady_malloc == "on" or (args.steady_malloc == "auto" and torch.device(args.device).type == "cpu")
+    steady = steady and report.steady_malloc()
+    settings = Settings(clock=args.clock, repeats=args.repeats, warmup=args.warmup, device=args.device, mode=args.mode,
                         cell_budget=args.cell_budget, memory_limit_gb=args.memory_limit_gb, rtol=args.rtol,
                         stat=args.stat, profile=args.profile, profile_ratio=args.profile_ratio,
                         profile_speedup=args.profile_speedup, seed=args.seed)
@@ -841,20 +914,21 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jvpreg.ben
         "command": report.command_line(prog, argv),
         "argv": argv,
         "machine": machine_description(device),
+        "git": report.git_state(),
         "started": started.isoformat(timespec="seconds"),
         "elapsed_s": elapsed,
         "load_start": load_start,
         "load_end": report.load_average(),
         "config": {**dataclasses.asdict(settings), "models": models, "methods": methods, "kinds": kinds,
-                   "shapes": [s.name for s in shapes]},
+                   "shapes": [s.name for s in shapes], "steady_malloc": steady},
         "shapes": [dataclasses.asdict(s) for s in shapes],
         "rows": rows,
         "summary": summarize(rows),
         "notes_auto": notes_auto,
     }
-    notes = Path(args.notes).read_text() if args.notes else None
+    result["notes"] = Path(args.notes).read_text() if args.notes else None
     report.write_json(out_dir / f"{name}.json", result)
-    (out_dir / f"{name}.md").write_text(render_markdown(result, notes))
+    (out_dir / f"{name}.md").write_text(render_markdown(result))
     if not args.no_plot:
         plot_speedups(result, out_dir / f"{name}_speedup.png")
     if not args.quiet:
@@ -865,6 +939,20 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jvpreg.ben
                       f"{report.fmt_ratio(v['clone_over_fwd2b_arith'])} geo {report.fmt_ratio(v['clone_over_fwd2b_geo'])}")
         print(f"wrote {out_dir / name}.{{json,md}}" + ("" if args.no_plot else f" and {name}_speedup.png")
               + f" in {elapsed / 60:.1f} min")
+    return 0
+
+
+def _rerender(path: Path, args: argparse.Namespace) -> int:
+    """``--from-json``: rewrite ``<stem>.md`` (and ``<stem>_speedup.png``) next to the JSON, with ``--notes``."""
+    result = report.read_json(path)
+    if args.notes:
+        result["notes"] = Path(args.notes).read_text()
+        report.write_json(path, result)
+    stem = path.with_suffix("")
+    stem.with_suffix(".md").write_text(render_markdown(result))
+    if not args.no_plot:
+        plot_speedups(result, f"{stem}_speedup.png")
+    print(f"re-rendered {stem}.md" + ("" if args.no_plot else f" and {stem.name}_speedup.png"))
     return 0
 
 

@@ -1,6 +1,7 @@
-"""Table, JSON and plot helpers shared by the benchmarks (``paper``, ``operators``).
+"""Helpers shared by the benchmarks (``paper``, ``operators``): tables, JSON, plots, and two
+measurement helpers that :mod:`jvpreg.bench.timing` lacks (both clocks per run; a steady CPU heap).
 
-Everything here is presentation: no timing, no model code. Plots use matplotlib's ``Agg``
+No model code here. Plots use matplotlib's ``Agg``
 backend (no display needed) and are imported lazily so that importing a benchmark module
 costs nothing when only its JSON is wanted.
 """
@@ -10,9 +11,13 @@ import json
 import math
 import os
 import shlex
+import statistics
 import sys
+import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Dict, Iterable, Mapping, Sequence
+
+from .timing import measure, sync
 
 
 def fmt_seconds(t: float | None, digits: int = 3) -> str:
@@ -82,6 +87,38 @@ def load_average() -> list[float] | None:
         return None
 
 
+def git_state(root: str | Path | None = None) -> Dict[str, Any] | None:
+    """Commit and uncommitted files of the checkout that holds this package (``None`` outside git).
+
+    A results file must name the engine it measured: the engine changes under a shared working tree.
+    """
+    import subprocess
+
+    root = Path(root) if root else Path(__file__).resolve().parents[2]
+    try:
+        run = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True,  # noqa: E731
+                                        timeout=10, check=True).stdout
+        commit = run("rev-parse", "HEAD").strip()
+        dirty = [line[3:] for line in run("status", "--porcelain", "--", "jvpreg").splitlines()]
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty_files": dirty}
+
+
+def describe_git(git: Mapping[str, Any] | None) -> str:
+    """One line for a report: ``commit abc1234`` plus uncommitted package files, if any."""
+    if not git:
+        return "code version unknown"
+    text = f"commit `{git['commit'][:10]}`"
+    dirty = git.get("dirty_files") or []
+    if dirty:
+        shown = ", ".join(f"`{f}`" for f in dirty[:6]) + (f" (+{len(dirty) - 6} more)" if len(dirty) > 6 else "")
+        text += f" with uncommitted changes in {shown}"
+    if git.get("note"):
+        text += f" ({git['note']})"
+    return text
+
+
 def write_json(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented JSON (non-finite floats become strings ``"inf"``/``"nan"``)."""
 
@@ -100,6 +137,74 @@ def write_json(path: str | Path, obj: Any) -> Path:
     return path
 
 
+def read_json(path: str | Path) -> Any:
+    """Read a file written by :func:`write_json`, turning ``"inf"``/``"-inf"``/``"nan"`` back into floats."""
+    special = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+    def revive(o):
+        if isinstance(o, str) and o in special:
+            return special[o]
+        if isinstance(o, dict):
+            return {k: revive(v) for k, v in o.items()}
+        if isinstance(o, list):
+            return [revive(v) for v in o]
+        return o
+
+    return revive(json.loads(Path(path).read_text()))
+
+
+def _stats(times: Sequence[float]) -> Dict[str, float]:
+    return {"median": statistics.median(times), "mean": statistics.fmean(times),
+            "std": statistics.pstdev(times) if len(times) > 1 else 0.0, "min": min(times)}
+
+
+def measure_clocks(fn: Callable[[], Any], *, repeats: int, warmup: int, device: Any,
+                   clock: str = "wall") -> Dict[str, Any]:
+    """Like :func:`jvpreg.bench.timing.measure`, timing each run on the wall clock *and* on the process's
+    CPU clock (``time.process_time``); ``median/mean/std/min`` are those of ``clock``.
+
+    On a shared CPU the wall clock also counts the time other processes hold the core; the CPU clock
+    does not, and with one torch thread (``--threads 1``) it equals the wall time of an idle machine.
+    With several threads it sums their CPU time, so compare ``cpu`` times only at a fixed thread count.
+    """
+    if clock == "wall" and device.type == "cuda":
+        return {**measure(fn, repeats=repeats, warmup=warmup, device=device), "clock": "wall"}
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    wall, cpu = [], []
+    for _ in range(repeats):
+        sync(device)
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        sync(device)
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+    chosen = cpu if clock == "cpu" else wall
+    return {**_stats(chosen), "repeats": repeats, "clock": clock,
+            "wall": _stats(wall), "cpu": _stats(cpu)}
+
+
+def steady_malloc() -> bool:
+    """Serve all allocations from glibc's heap and never trim it (``mallopt``); False where unavailable.
+
+    glibc serves buffers above its dynamic, history-dependent mmap threshold with fresh pages, so a
+    memory-bound op pays page faults (~20 per MiB) on every call or on none depending on what ran
+    before (one relu measured 1.1 ms or 21 ms in the same process). A steady heap is the CPU analogue
+    of PyTorch's CUDA caching allocator. Process-wide and irreversible: call it in benchmark
+    processes only.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2 ** 31 - 1))  # C int
+    except (OSError, AttributeError):
+        return False
+
+
 def pyplot():
     """matplotlib's pyplot on the non-interactive ``Agg`` backend."""
     import matplotlib
@@ -111,10 +216,12 @@ def pyplot():
 
 
 def bar_chart(path: str | Path, labels: Sequence[str], series: Mapping[str, Sequence[float | None]], *,
-              title: str, ylabel: str, hline: float | None = 1.0, annotate: bool = True) -> Path:
+              title: str, ylabel: str, hline: float | None = 1.0, annotate: bool = True,
+              extra_lines: Sequence[tuple] = ()) -> Path:
     """Grouped bars, one group per label and one bar per series; missing values leave a gap.
 
     Infinite values (every alternative failed) are drawn at the top of the axis with ``∞``.
+    ``extra_lines`` adds labelled horizontal lines ``(y, label)`` (e.g. a target).
     """
     plt = pyplot()
     n = max(len(series), 1)
@@ -137,12 +244,15 @@ def bar_chart(path: str | Path, labels: Sequence[str], series: Mapping[str, Sequ
                             va="bottom", fontsize=6)
     if hline is not None:
         ax.axhline(hline, color="red", lw=1)
+    for y, label in extra_lines:
+        ax.axhline(y, color="gray", lw=1, ls="--", label=label)
+        top = max(top, y * 1.05)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=35, ha="right")
     ax.set_ylim(0, top * 1.08)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
-    if len(series) > 1:
+    if len(series) > 1 or extra_lines:
         ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)

@@ -1,0 +1,213 @@
+"""Tests for the paper benchmark (``jvpreg.bench.paper``) and the operator benchmark.
+
+The grid runs end to end at tiny sizes (rnn + unet, 16x16, batch 2, one timed run): files are
+written, cells are checked against clone, failures (injected) are recorded rather than raised.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from jvpreg.bench import operators, paper
+
+TINY = ["--image-size", "16", "--batch-size", "2", "--repeats", "1", "--warmup", "0", "--quiet",
+        "--steady-malloc", "off"]  # mallopt is process-wide: keep it out of the test process
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Benchmarks set torch's thread count with --threads; keep the test process unchanged."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    out = tmp_path_factory.mktemp("paper")
+    rc = paper.main(["--models", "rnn,unet", *TINY, "--threads", "1", "--profile", "none",
+                     "--out", str(out), "--name", "tiny"])
+    assert rc == 0
+    return out, json.loads((out / "tiny.json").read_text())
+
+
+def test_grid_writes_json_markdown_and_plot(grid):
+    out, result = grid
+    assert (out / "tiny.md").stat().st_size > 0
+    png = (out / "tiny_speedup.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    machine = result["machine"]
+    assert machine["cpu"] and machine["torch"] == torch.__version__ and "gpu" in machine
+    assert result["command"].startswith("python -m jvpreg.bench paper --models rnn,unet")
+    assert [(r["model"], r["kind"]) for r in result["rows"]] == [("rnn", "x"), ("rnn", "w"), ("unet", "x"), ("unet", "w")]
+
+
+def test_grid_cells_are_timed_and_checked_against_clone(grid):
+    _, result = grid
+    for row in result["rows"]:
+        cells = row["cells"]
+        assert set(cells) == set(paper.METHODS)
+        assert cells["clone"]["status"] == "ok" and cells["fwd_2b"]["status"] == "ok"
+        for name, c in cells.items():
+            if c["status"] != "ok":
+                assert c["reason"] and c["status"] in ("oom", "fails")
+                continue
+            assert {"median", "mean", "std", "min", "repeats"} <= set(c) and c["median"] > 0
+            if paper.METHODS[name].alternative:
+                assert c["max_rel_diff"] < 1e-4, (row["model"], row["kind"], name, c["max_rel_diff"])
+        assert row["summary"]["speedup"] is not None and row["summary"]["clone_over_fwd2b"] > 0
+    assert result["rows"][1]["first_layer"] == "rnn.weight_ih_l0"
+    assert result["rows"][3]["first_layer"] == "inc.0.weight"
+    summ = result["summary"]["small"]["x"]
+    assert summ["models"] == 2 and summ["speedup_geo"] > 0
+
+
+def test_markdown_is_laid_out_like_the_paper(grid):
+    out, result = grid
+    md = (out / "tiny.md").read_text()
+    assert result["command"] in md
+    assert md.count("| Model | # params |") == 2  # one table per JVP kind
+    for header in ("batch-jacobian", "jvp (torch.func)", "double vjp", "clone (ours)", "speed-up", "fwd 2B",
+                   "clone / fwd 2B"):
+        assert header in md
+    assert md.count("**arithmetic average**") == 2 and md.count("**geometric average**") == 2
+
+
+def _raise(exc):
+    def build(problem):
+        def run():
+            raise exc
+        return run
+    return build
+
+
+def test_failing_methods_are_recorded_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setitem(paper.METHODS, "broken", paper.Method("broken", "broken", _raise(RuntimeError("boom: injected"))))
+    monkeypatch.setitem(paper.METHODS, "oomer", paper.Method(
+        "oomer", "oomer", _raise(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))))
+    monkeypatch.setitem(paper.METHODS, "huge", paper.Method(
+        "huge", "huge", _raise(AssertionError("never called")), memory=lambda p: 1 << 50))
+    rc = paper.main(["--models", "rnn", "--kinds", "x", "--methods", "clone,fwd_2b,broken,oomer,huge", *TINY,
+                     "--profile", "none", "--no-plot", "--out", str(tmp_path), "--name", "f"])
+    assert rc == 0
+    row = json.loads((tmp_path / "f.json").read_text())["rows"][0]
+    assert row["cells"]["broken"] == {"status": "fails", "reason": "RuntimeError: boom: injected",
+                                      "error": "RuntimeError: boom: injected"}
+    assert row["cells"]["oomer"]["status"] == "oom"
+    assert row["cells"]["huge"]["status"] == "oom" and row["cells"]["huge"]["estimated"]
+    assert row["summary"]["speedup"] == "inf"  # every alternative failed: the paper's ∞
+    md = (tmp_path / "f.md").read_text()
+    assert "fails: RuntimeError: boom: injected" in md and "| - |" in md and "-*" in md and "∞" in md
+
+
+def test_a_model_that_cannot_be_built_is_a_failed_row(monkeypatch, tmp_path):
+    monkeypatch.setattr(paper, "model_setting", lambda name, size: (size, {"bogus_kwarg": 1}))
+    rc = paper.main(["--models", "rnn", "--kinds", "x", "--methods", "clone,func_jvp", *TINY, "--profile", "none",
+                     "--no-plot", "--out", str(tmp_path), "--name", "b"])
+    assert rc == 0
+    row = json.loads((tmp_path / "b.json").read_text())["rows"][0]
+    assert {c["status"] for c in row["cells"].values()} == {"fails"}
+    assert "bogus_kwarg" in row["cells"]["clone"]["error"]
+
+
+@pytest.mark.parametrize("builder, expected", [
+    (lambda: nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 4, 3), nn.Linear(4, 2)), "1.weight"),
+    (lambda: nn.Sequential(nn.Flatten(), nn.Linear(12, 2)), "1.weight"),
+    (lambda: nn.RNN(4, 5), "weight_ih_l0"),
+    (lambda: nn.Sequential(nn.LayerNorm(3), nn.ConvTranspose2d(3, 3, 2)), "1.weight"),
+], ids=["bn-then-conv", "linear", "rnn", "layernorm-then-convT"])
+def test_first_layer_weight(builder, expected):
+    assert paper.first_layer_weight(builder()) == expected
+
+
+def test_first_layer_weight_error_names_the_model():
+    with pytest.raises(ValueError, match="Sequential has no Conv/Linear/RNN weight"):
+        paper.first_layer_weight(nn.Sequential(nn.BatchNorm1d(3)))
+
+
+def test_model_setting_adapts_sizes():
+    assert paper.model_setting("unet", 100) == (100, {"depth": 2})
+    assert paper.model_setting("unet", 64) == (64, {})
+    assert paper.model_setting("inception_v3", 64) == (75, {})
+    assert paper.model_setting("vgg16", 16) == (32, {})
+    assert paper.model_setting("resnet50", 64) == (64, {})
+
+
+def test_short_reason_maps_known_torch_messages():
+    err = RuntimeError("Batching rule not implemented for aten::foo.bar. We could not generate a fallback.")
+    assert paper.short_reason(err) == "no vmap batching rule for aten::foo.bar"
+    long = RuntimeError("x" * 200 + "\nsecond line")
+    assert len(paper.short_reason(long)) == 60 and paper.short_reason(long).endswith("…")
+
+
+def _cell(t, diff=None):
+    c = {"status": "ok", "median": t, "mean": t}
+    if diff is not None:
+        c["max_rel_diff"] = diff
+    return c
+
+
+def test_summarize_row_excludes_disagreeing_alternatives():
+    cells = {"clone": _cell(1.0), "fwd_2b": _cell(0.8), "func_jvp": _cell(1.5, 1e-7), "forward_ad": _cell(0.5, 0.3),
+             "double_vjp": _cell(3.0, 1e-7)}
+    s = paper.summarize_row(cells, "median", 1e-3)
+    assert s["fastest"] == "func_jvp" and s["speedup"] == 1.5 and s["excluded"] == ["forward_ad"]
+    assert s["clone_over_fwd2b"] == pytest.approx(1.25) and not s["clone_suspect"]
+    cells["func_jvp"]["max_rel_diff"] = 0.2  # now most alternatives disagree: clone is the suspect
+    s = paper.summarize_row(cells, "median", 1e-3)
+    assert s["clone_suspect"] and s["speedup"] is None
+
+
+def test_budget_lowers_repeats_but_keeps_two():
+    s = paper.Settings(repeats=10, warmup=2, cell_budget=1.0)
+    assert paper._budgeted(0.01, s) == (2, 10)
+    assert paper._budgeted(0.2, s) == (1, 4)
+    assert paper._budgeted(5.0, s) == (0, 2)
+
+
+def test_profile_row_lists_top_ops():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    prob = paper.Problem(model, "x", x, torch.randn_like(x), "0.weight", torch.randn(4, 3, 3, 3), torch.device("cpu"))
+    prof = paper.profile_row(prob, paper.Settings(profile_iters=1))
+    ops = {e["op"] for e in prof["clone_top"]} | {e["op"] for e in prof["fwd2b_top"]}
+    assert any("conv" in op for op in ops) and prof["clone_self_ms"] > 0
+
+
+def test_operators_benchmark_end_to_end(tmp_path):
+    rc = operators.main(["--sizes", "8", "--batch-sizes", "2", "--repeats", "1", "--warmup", "0", "--quiet",
+                         "--steady-malloc", "off",
+                         "--out", str(tmp_path), "--name", "ops"])
+    assert rc == 0
+    result = json.loads((tmp_path / "ops.json").read_text())
+    assert [r["op"] for r in result["records"]] == ["relu", "maxpool", "conv"]
+    for r in result["records"]:
+        assert "error" not in r and r["slowdown_vs_B"] > 0 and r["slowdown_vs_2B"] > 0
+    assert result["machine"]["torch"] == torch.__version__
+    assert (tmp_path / "ops.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| relu | 2 | 8 |" in (tmp_path / "ops.md").read_text()
+    assert math.isfinite(result["summary"]["conv"]["2"]["vs_2B"])
+
+
+def test_from_json_rerenders_with_findings(grid, tmp_path):
+    out, _ = grid
+    (tmp_path / "tiny.json").write_text((out / "tiny.json").read_text())
+    notes = tmp_path / "notes.md"
+    notes.write_text("resnet50 misses the target because ...")
+    assert paper.main(["--from-json", str(tmp_path / "tiny.json"), "--notes", str(notes), "--no-plot"]) == 0
+    md = (tmp_path / "tiny.md").read_text()
+    assert "## Findings" in md and "resnet50 misses the target because" in md
+    assert md.startswith((out / "tiny.md").read_text().strip())  # same tables, findings appended
+    assert json.loads((tmp_path / "tiny.json").read_text())["notes"].startswith("resnet50 misses")
+
+
+def test_speedup_bound_is_fastest_agreeing_alternative_over_fwd2b():
+    rows = [{"cells": {"clone": _cell(1.0), "fwd_2b": _cell(0.5), "func_jvp": _cell(2.0, 1e-7),
+                       "forward_ad": _cell(0.1, 0.5)}},
+            {"cells": {"clone": _cell(1.0), "fwd_2b": _cell(1.0), "func_jvp": _cell(2.0, 1e-7)}}]
+    assert paper.speedup_bound(rows, "median", 1e-3) == pytest.approx(math.sqrt(4.0 * 2.0))
