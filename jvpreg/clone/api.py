@@ -14,6 +14,7 @@ scaling itself exact. The scale is one number per tangent, not per sample: ops t
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 from typing import Any, Callable, Dict, Mapping, Sequence
@@ -200,6 +201,27 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
     return (out, tan, primal_of(aux)) if has_aux else (out, tan)
 
 
+@contextlib.contextmanager
+def swapped_tensors(module: nn.Module, replace: Mapping[torch.Tensor, torch.Tensor]):
+    """Temporarily put ``replace[p]`` wherever parameter/buffer ``p`` is registered in ``module`` (tied
+    uses included), restoring the originals on exit. One walk over the submodules' own dicts:
+    ``torch.func.functional_call`` rebuilds every parameter and buffer and costs 3-10% of a JVP."""
+    slots = []
+    by_id = {id(p): t for p, t in replace.items()}
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for attr, value in store.items():
+                if value is not None and id(value) in by_id:
+                    slots.append((store, attr, value))
+    try:
+        for store, attr, value in slots:
+            store[attr] = by_id[id(value)]
+        yield
+    finally:
+        for store, attr, value in slots:
+            store[attr] = value
+
+
 def _lookup_params(module: nn.Module, names: Mapping[str, torch.Tensor], where: str) -> Dict[str, torch.Tensor]:
     named = dict(module.named_parameters())
     named.update(dict(module.named_buffers()))
@@ -273,7 +295,8 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
         s = choose_scales(pairs, k) if scale == "auto" else _fixed_scales(scale, k, pairs[0][0].device)
         inputs = tuple(primals)
     swapped = {n: wrap(_blocks(p, u, s)) for n, (p, u) in zip(params, pairs)}
-    result = torch.func.functional_call(module, swapped, tuple(inputs), dict(kwargs or {}), strict=False)
+    with swapped_tensors(module, {params[n]: t for n, t in swapped.items()}):
+        result = module(*inputs, **dict(kwargs or {}))
     if has_aux:
         result, aux = result
     out, tan = unpack(result, s, batched=batched_tangents)
