@@ -108,14 +108,15 @@ def detached_target(args: tuple, kwargs: dict, needed: bool = True) -> tuple:
 
 
 def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str | None = "inplace",
-                  inplace_safe: bool = False):
+                  inplace_safe: bool = False, no_grad_inplace: Callable | None = None):
     """Register a rule written on blocks for ``funcs`` (and their in-place variants).
 
     The rule is called like the op, with clone arguments seen as physical ``(K, *L)``
     tensors, and returns the physical output(s). In-place variants (listed in
     ``inplace``, or called with ``inplace=True``) write the result back into the input; the
     rule then runs on a copy of the input unless ``inplace_safe`` (it saves no view of its
-    input for backward, e.g. ``x * mask`` with a constant mask).
+    input for backward, e.g. ``x * mask`` with a constant mask). ``no_grad_inplace(x, *args)``, if
+    given, mutates ``x`` directly when no gradient is recorded (no copy back).
     """
     inplace = tuple(_existing(inplace))
 
@@ -127,6 +128,15 @@ def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str |
         if accepts_inplace and sig.parameters[inplace_kwarg].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
             pos = -1  # keyword-only
 
+        def run_in_place(args, kwargs):
+            target = args[0] if args else None
+            if no_grad_inplace is not None and is_clone(target) and not (
+                    torch.is_grad_enabled() and target.requires_grad):
+                no_grad_inplace(target, *args[1:], **kwargs)
+                target._jvp_state = False
+                return target
+            return _finish(rule(*detached_target(args, kwargs, not inplace_safe), **kwargs), args, kwargs, True)
+
         def out_of_place(func, args, kwargs):
             is_ip = False
             if accepts_inplace:
@@ -136,11 +146,10 @@ def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str |
                     is_ip = bool(args[pos])
             if not is_ip:
                 return _finish(rule(*args, **kwargs), args, kwargs, False)
-            return _finish(rule(*detached_target(args, kwargs, not inplace_safe), **kwargs), args, kwargs, True)
+            return run_in_place(args, {k: v for k, v in kwargs.items() if k != inplace_kwarg} if kwargs else kwargs)
 
         def in_place(func, args, kwargs):
-            kwargs = {k: v for k, v in kwargs.items() if k != inplace_kwarg}
-            return _finish(rule(*detached_target(args, kwargs, not inplace_safe), **kwargs), args, kwargs, True)
+            return run_in_place(args, {k: v for k, v in kwargs.items() if k != inplace_kwarg})
 
         for f in _existing(funcs):
             HANDLERS[f] = out_of_place
