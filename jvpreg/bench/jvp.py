@@ -20,7 +20,8 @@ from typing import Callable, Dict
 import torch
 
 import jvpreg
-from jvpreg.bench.timing import geomean, machine_description, measure
+from jvpreg.bench.report import measure_clocks, steady_malloc
+from jvpreg.bench.timing import geomean, machine_description
 
 METHODS = ("forward_B", "forward_2B", "jvpreg", "torch.func.jvp", "forward_ad", "autograd.functional.jvp")
 AUTODIFF = ("torch.func.jvp", "forward_ad", "autograd.functional.jvp")
@@ -60,7 +61,7 @@ def _jvp_of(result):
 
 
 def run(models, batch_size: int, image_size: int, repeats: int, warmup: int, device: str, mode: str,
-        methods=METHODS, progress: bool = True) -> dict:
+        methods=METHODS, progress: bool = True, clock: str = "wall") -> dict:
     import torchvision
 
     from tqdm.auto import tqdm
@@ -89,7 +90,8 @@ def run(models, batch_size: int, image_size: int, repeats: int, warmup: int, dev
                     ref = jv
                 elif jv is not None and ref is not None:
                     row["rel_diff"][meth] = float((jv - ref).norm() / ref.norm())
-                stats = measure(fns[meth], repeats=repeats, warmup=warmup, device=device)
+                stats = measure_clocks(fns[meth], repeats=repeats, warmup=warmup, device=torch.device(device),
+                                       clock=clock)
                 row["times"][meth] = stats["median"]
                 row["std"][meth] = stats["std"]
             except Exception as err:  # recorded, never fatal
@@ -122,7 +124,7 @@ def to_markdown(result: dict, meta: dict) -> str:
         f"Machine: {meta['machine']['cpu']} ({meta['machine']['cpu_cores']} cores, torch threads "
         f"{meta['machine']['torch_threads']}), GPU: {meta['machine']['gpu'] or 'none'}, torch {meta['machine']['torch']}  ",
         f"Batch {meta['batch_size']}, 3x{meta['image_size']}x{meta['image_size']}, float32, median of "
-        f"{meta['repeats']} runs after {meta['warmup']} warm-up runs; times in ms.",
+        f"{meta['repeats']} runs after {meta['warmup']} warm-up runs ({meta.get('clock', 'wall')} clock); times in ms.",
         "",
         "| model | " + " | ".join(cols) + " | jvpreg / fwd 2B | fastest autodiff / jvpreg |",
         "|---|" + "---|" * (len(cols) + 2),
@@ -162,19 +164,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--mode", choices=("eval", "train"), default="eval")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall clock, or process CPU time (steadier on a shared machine; use with --threads 1)")
+    ap.add_argument("--steady-malloc", action="store_true",
+                    help="serve allocations from a never-trimmed heap (no page-fault noise on CPU)")
     ap.add_argument("--out", default="experiments/results/bench_jvp_{device}", help="output prefix (.md and .json)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.steady_malloc:
+        steady_malloc()
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     result = run(models, args.batch_size, args.image_size, args.repeats, args.warmup, args.device, args.mode,
-                 progress=not args.no_progress)
+                 progress=not args.no_progress, clock=args.clock)
     meta = {
         "command": "python -m jvpreg.bench jvp " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "machine": machine_description(args.device),
         "device": args.device, "mode": args.mode, "batch_size": args.batch_size, "image_size": args.image_size,
-        "repeats": args.repeats, "warmup": args.warmup,
+        "repeats": args.repeats, "warmup": args.warmup, "clock": args.clock,
     }
     md = to_markdown(result, meta)
     print(md)
