@@ -657,7 +657,7 @@ _BATCHED_NDIM = {
     F.avg_pool1d: 3, F.avg_pool2d: 4, F.avg_pool3d: 5, torch.avg_pool1d: 3,
     F.adaptive_avg_pool1d: 3, F.adaptive_avg_pool2d: 4, F.adaptive_avg_pool3d: 5, torch.adaptive_avg_pool1d: 3,
     F.pixel_shuffle: 4, F.pixel_unshuffle: 4, F.unfold: 4, F.fold: 3, F.channel_shuffle: 4,
-    F.interpolate: -1, F.upsample: -1, F.upsample_nearest: -1, F.upsample_bilinear: -1, F.grid_sample: -1,
+    F.interpolate: -1, F.upsample: -1, F.upsample_nearest: -1, F.upsample_bilinear: -1,
     F.linear: 0,
 }
 if hasattr(torch._C._nn, "linear"):
@@ -666,6 +666,17 @@ _MULTILINEAR = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.
                 F.conv_transpose2d, F.conv_transpose3d, F.linear, getattr(torch._C._nn, "linear", F.linear)}
 for _fn, _nd in _BATCHED_NDIM.items():
     register_handler(_fn)(rowwise(_nd))
+
+
+@register_handler(F.grid_sample, F.affine_grid)
+def _per_sample_pair(func, args, kwargs):
+    """grid_sample(input, grid) is linear in input for a fixed grid (and affine_grid linear in theta),
+    but the grid carries its own batch dim: run per block, or exactly through the fallback when the
+    grid itself comes from the batch."""
+    grid = args[1] if len(args) > 1 else kwargs.get("grid", kwargs.get("size"))
+    if func is F.grid_sample and is_clone(grid) and not grid._jvp_state:
+        return fallback(func, args, kwargs)
+    return per_block(func, args, kwargs)
 
 
 @register_handler(F.pad, torch._C._nn.pad if hasattr(torch._C._nn, "pad") else None)
