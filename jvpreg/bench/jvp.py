@@ -13,7 +13,6 @@ import argparse
 import json
 import shlex
 import sys
-import traceback
 from pathlib import Path
 from typing import Callable, Dict
 

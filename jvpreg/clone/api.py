@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import functions
-from .tensor import CloneTensor, is_clone, wrap
+from .tensor import is_clone, wrap
 
 _R_DEFAULT = 2.0 ** 20
 _R_HALF = 2.0 ** 2

@@ -10,7 +10,7 @@ arguments go straight to the original ``apply``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Callable, Dict
 
 import torch
 from torch._C import DisableTorchFunctionSubclass

@@ -26,7 +26,6 @@ Users add a rule for their own op the same way::
 """
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, Callable, Dict, Iterable
 
@@ -173,6 +172,3 @@ def maybe(obj: Any, name: str) -> Any:
     """``getattr(obj, name)`` or None (ops that exist only in some torch versions)."""
     return getattr(obj, name, None)
 
-
-def same_signature(f: Callable) -> Callable:
-    return functools.wraps(f)(f)

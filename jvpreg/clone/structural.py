@@ -8,12 +8,11 @@ ops that treat dim 0 as a batch (convolutions, pooling) run once on the merged
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from .dispatch import _flat_clones, per_block, state_eval, fallback
 from .registry import maybe, register_handler, register_state

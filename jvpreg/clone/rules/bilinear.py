@@ -13,7 +13,7 @@ import torch
 from ..dispatch import _flat_clones, fallback, per_block
 from ..registry import detached_target, maybe, register_handler
 from ..structural import align, elementwise, elementwise_inplace
-from ..tensor import CloneTensor, is_clone, wrap
+from ..tensor import is_clone, wrap
 
 T = torch.Tensor
 

@@ -175,7 +175,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     a = input[0]
     w0, b0 = _primal(weight), _primal(bias)
     out_a = F.group_norm(a, num_groups, w0, b0, eps)
-    n, c = a.shape[0], a.shape[1]
+    n = a.shape[0]
     ag = a.reshape(n, num_groups, -1)
     var, mean = torch.var_mean(ag, dim=-1, correction=0, keepdim=True)
     rstd_g = torch.rsqrt(var + eps)
