@@ -1,0 +1,51 @@
+"""The Elman RNN written on the blocks (relu/tanh) against torch.func in float64: layouts, layers,
+directions, unbatched input, an initial state from the batch, and parameter gradients."""
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import jvpreg
+
+D = torch.float64
+GRID = list(itertools.product(["relu", "tanh"], [True, False], [True, False], [1, 2]))
+
+
+@pytest.mark.parametrize("nl,batch_first,bidir,layers", GRID,
+                         ids=[f"{n}-bf{int(b)}-bi{int(d)}-L{l}" for n, b, d, l in GRID])
+def test_elman_rnn_matches_torch_func(nl, batch_first, bidir, layers):
+    torch.manual_seed(0)
+    rnn = nn.RNN(4, 5, num_layers=layers, nonlinearity=nl, batch_first=batch_first, bidirectional=bidir).to(D)
+    x, u = torch.randn(3, 6, 4, dtype=D), torch.randn(3, 6, 4, dtype=D)
+    f = lambda z: (rnn(z)[0], rnn(z)[1])
+    for got, ref in zip(jvpreg.jvp(f, (x,), (u,))[1], torch.func.jvp(f, (x,), (u,))[1]):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    xu, uu = torch.randn(6, 4, dtype=D), torch.randn(6, 4, dtype=D)  # unbatched
+    g = lambda z: rnn(z)[0]
+    torch.testing.assert_close(jvpreg.jvp(g, (xu,), (uu,))[1], torch.func.jvp(g, (xu,), (uu,))[1],
+                               rtol=1e-10, atol=1e-12)
+    b = x.shape[0] if batch_first else x.shape[1]
+    h0 = torch.randn((2 if bidir else 1) * layers, b, 5, dtype=D)  # initial state from the batch
+    uh = torch.randn_like(h0)
+    h = lambda z, s: rnn(z, s)[0]
+    torch.testing.assert_close(jvpreg.jvp(h, (x, h0), (u, uh))[1], torch.func.jvp(h, (x, h0), (u, uh))[1],
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_elman_rnn_parameter_gradients_match_torch_func():
+    torch.manual_seed(0)
+    rnn = nn.RNN(4, 5, nonlinearity="relu", batch_first=True).to(D)
+    x, u = torch.randn(3, 6, 4, dtype=D), torch.randn(3, 6, 4, dtype=D)
+    y, t = jvpreg.jvp(lambda z: rnn(z)[0], (x,), (u,))
+    got = torch.autograd.grad(t.pow(2).sum() + y.sum(), list(rnn.parameters()))
+    names = [n for n, _ in rnn.named_parameters()]
+
+    def loss(*ps):
+        f = lambda z: torch.func.functional_call(rnn, dict(zip(names, ps)), (z,))[0]
+        yy, tt = torch.func.jvp(f, (x,), (u,))
+        return tt.pow(2).sum() + yy.sum()
+
+    ref = torch.func.grad(loss, argnums=tuple(range(len(names))))(*[p.detach() for p in rnn.parameters()])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
