@@ -49,3 +49,19 @@ def test_elman_rnn_parameter_gradients_match_torch_func():
     ref = torch.func.grad(loss, argnums=tuple(range(len(names))))(*[p.detach() for p in rnn.parameters()])
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_elman_rnn_dropout_between_layers_uses_one_mask_for_every_block():
+    """Train mode, dropout between layers: with tangents (u, 2u) in one pass, the second JVP is exactly
+    twice the first (one mask shared by the blocks)."""
+    torch.manual_seed(0)
+    rnn = nn.RNN(4, 5, num_layers=2, nonlinearity="relu", dropout=0.5, batch_first=True).to(D).train()
+    x, u = torch.randn(3, 6, 4, dtype=D), torch.randn(3, 6, 4, dtype=D)
+    torch.manual_seed(1)
+    y, t = jvpreg.jvp(lambda z: rnn(z)[0], (x,), (torch.stack([u, 2 * u]),), batched_tangents=True)
+    torch.testing.assert_close(t[1], 2 * t[0], rtol=1e-12, atol=1e-12)
+    assert t[0].abs().sum() > 0
+    # with the mask fixed to all-ones (p -> 0 in eval), the same code path matches torch.func exactly
+    rnn.eval()
+    f = lambda z: rnn(z)[0]
+    torch.testing.assert_close(jvpreg.jvp(f, (x,), (u,))[1], torch.func.jvp(f, (x,), (u,))[1], rtol=1e-10, atol=1e-12)

@@ -47,6 +47,15 @@ def _cell(mode, x_proj, h, w_hh, b_hh, w_hr=None):
     return h2, h2
 
 
+def _weights(params, layer: int, d: int, dirs: int, per: int, has_biases: bool, mode: str):
+    """``(index, w_ih, w_hh, b_ih, b_hh, w_hr)`` of one layer and direction in the flat weight list."""
+    idx = layer * dirs + d
+    w = params[idx * per:(idx + 1) * per]
+    b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+    w_hr = w[-1] if mode == "lstm" and per in (3, 5) else None
+    return idx, w[0], w[1], b_ih, b_hh, w_hr
+
+
 def _run(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     if batch_first:
         input = input.transpose(0, 1)
@@ -61,11 +70,7 @@ def _run(mode, input, hx, params, has_biases, num_layers, dropout, train, bidire
     for layer in range(num_layers):
         outs = []
         for d in range(dirs):
-            w = params[(layer * dirs + d) * per:(layer * dirs + d + 1) * per]
-            w_ih, w_hh = w[0], w[1]
-            b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
-            w_hr = w[-1] if mode == "lstm" and per in (3, 5) else None
-            idx = layer * dirs + d
+            idx, w_ih, w_hh, b_ih, b_hh, w_hr = _weights(params, layer, d, dirs, per, has_biases, mode)
             state = (hx[0][idx], hx[1][idx]) if mode == "lstm" else hx[idx]
             x_proj = F.linear(layer_in, w_ih, b_ih)  # all steps at once
             steps = range(x_proj.shape[0] - 1, -1, -1) if d == 1 else range(x_proj.shape[0])
@@ -114,10 +119,7 @@ def _elman_on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, t
     for layer in range(num_layers):
         outs = []
         for d in range(dirs):
-            w = params[(layer * dirs + d) * per:(layer * dirs + d + 1) * per]
-            w_ih, w_hh = w[0], w[1]
-            b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
-            idx = layer * dirs + d
+            idx, w_ih, w_hh, b_ih, b_hh, _ = _weights(params, layer, d, dirs, per, has_biases, mode)
             h = h0[:, idx] if is_clone(hx) else h0[idx]
             xp = F.linear(layer_in, w_ih, b_ih)  # (K, T, B, H): every step at once
             steps = range(xp.shape[1] - 1, -1, -1) if d == 1 else range(xp.shape[1])
