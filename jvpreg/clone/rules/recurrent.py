@@ -104,7 +104,6 @@ def _elman_on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, t
     op-by-op path (relu through its fused backward kernel, tanh linearised at the primal), without a
     dispatch per op and step (the per-step dispatch made the op-by-op path 3-4x a fused forward)."""
     x = input.as_subclass(torch.Tensor)  # (K, *logical)
-    k = x.shape[0]
     if batch_first:
         x = x.transpose(1, 2)
     unbatched = x.dim() == 3
