@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import functions
+from . import capture, functions
 from .tensor import is_clone, wrap
 
 _R_DEFAULT = 2.0 ** 20
@@ -140,8 +140,17 @@ def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
     return t.shape[0] if batched else 1
 
 
+def _call(func: Callable, args: tuple, kwargs: dict, engine: str) -> Any:
+    """``func(*args, **kwargs)`` on clone batches with the chosen engine (see :mod:`jvpreg.clone.capture`)."""
+    target = capture.unwrap_compiled(func)
+    if engine != "eager" and isinstance(target, nn.Module):
+        return capture.call(target, args, kwargs, engine=engine)
+    with capture.uncompiled(target):
+        return target(*args, **kwargs)
+
+
 def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor], *, has_aux: bool = False,
-        batched_tangents: bool = False, scale: Any = "auto"):
+        batched_tangents: bool = False, scale: Any = "auto", engine: str = "auto"):
     """Jacobian-vector product of ``func`` at ``primals`` in clone mode — a drop-in for ``torch.func.jvp``.
 
     ``func(*primals)`` runs once on a batch that holds the primals and ``primal + s_j * tangent_j``
@@ -159,6 +168,12 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
         has_aux: ``func`` returns ``(output, aux)``; ``aux`` is returned as computed on the primal.
         batched_tangents: several tangents at once (see above); ``jvp_out`` leaves get the leading ``k``.
         scale: ``"auto"`` (see module docstring) or a fixed positive number ``s``.
+        engine: how the clone forward runs (:mod:`jvpreg.clone.capture`): ``"captured"`` records it
+            once per call signature as a plain aten program and replays it; ``"compiled"`` runs that
+            program under ``torch.compile``; ``"eager"`` dispatches every op through the rules.
+            ``"auto"``: ``"compiled"`` for a ``torch.compile``-d module, ``"captured"`` for other
+            modules, ``"eager"`` for plain functions (whose Python state cannot be guarded).
+            All engines give the same numbers.
 
     Returns:
         ``(output, jvp_out)``, or ``(output, jvp_out, aux)`` with ``has_aux=True``.
@@ -177,6 +192,7 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
     where = "jvpreg.jvp(func, primals, tangents)"
     if not callable(func):
         raise TypeError(f"{where}: expected func to be callable, got {type(func).__name__}.")
+    engine = capture.resolve_engine(engine, func, where)
     if isinstance(primals, torch.Tensor) or not isinstance(primals, (tuple, list)):
         raise TypeError(f"{where}: expected primals to be a tuple of tensors. E.g. it should be valid to call "
                         "f(*primals). Got " + type(primals).__name__ + ".")
@@ -192,7 +208,7 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
         raise ValueError(f"{where}: every tangent must carry the same number of directions k, got {sorted(ks)}.")
     tans = tuple(t if batched_tangents else t.unsqueeze(0) for t in tangents)
     clones, s = pack(tuple(primals), tans, scale=scale)
-    result = func(*clones)
+    result = _call(func, clones, {}, engine)
     if has_aux:
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(f"{where}: has_aux=True expects func to return a (output, aux) tuple.")
@@ -237,7 +253,7 @@ def _lookup_params(module: nn.Module, names: Mapping[str, torch.Tensor], where: 
 
 def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangents: Mapping[str, torch.Tensor],
                tangents: Sequence[torch.Tensor] | None = None, *, kwargs: Mapping[str, Any] | None = None,
-               batched_tangents: bool = False, has_aux: bool = False, scale: Any = "auto"):
+               batched_tangents: bool = False, has_aux: bool = False, scale: Any = "auto", engine: str = "auto"):
     """JVP w.r.t. named parameters (and optionally the inputs): the "swapped layer weight".
 
     Computes ``d/dt module(x + t u; W + t U)`` at ``t = 0``, where ``U`` is given per parameter name
@@ -253,7 +269,7 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
             (with a leading ``k`` when ``batched_tangents``).
         tangents: optional input tangents (as in :func:`jvp`); ``None`` means zero.
         kwargs: extra keyword arguments for the module call.
-        batched_tangents, has_aux, scale: as in :func:`jvp`.
+        batched_tangents, has_aux, scale, engine: as in :func:`jvp`.
 
     Returns:
         ``(output, jvp_out)`` (plus ``aux``), like :func:`jvp`.
@@ -264,6 +280,8 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
         >>> y, JU = jvpreg.jvp_params(model, (x,), {"layer3.0.conv1.weight": U})
     """
     where = "jvpreg.jvp_params(module, primals, param_tangents)"
+    engine = capture.resolve_engine(engine, module, where)
+    module = capture.unwrap_compiled(module)
     if not isinstance(module, nn.Module):
         raise TypeError(f"{where}: expected an nn.Module, got {type(module).__name__}.")
     if isinstance(primals, torch.Tensor) or not isinstance(primals, (tuple, list)):
@@ -296,7 +314,7 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
         inputs = tuple(primals)
     swapped = {n: wrap(_blocks(p, u, s)) for n, (p, u) in zip(params, pairs)}
     with swapped_tensors(module, {params[n]: t for n, t in swapped.items()}):
-        result = module(*inputs, **dict(kwargs or {}))
+        result = _call(module, tuple(inputs), dict(kwargs or {}), engine)
     if has_aux:
         result, aux = result
     out, tan = unpack(result, s, batched=batched_tangents)

@@ -202,6 +202,10 @@ def per_block(func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*a2, **k2)
 
     phys = [flat[i].as_subclass(torch.Tensor) for i in idx]
+    if tensor_module._CAPTURING[0] is not None:  # a capture records plain ops: one call per block
+        outs = [g(*(p[j] for p in phys)) for j in range(phys[0].shape[0])]
+        out = tree_map(lambda *ts: torch.stack(ts) if isinstance(ts[0], torch.Tensor) else ts[0], *outs)
+        return wrap_tree(out, lambda t: wrap(t, state=state))
     out = torch.vmap(g, in_dims=0, randomness="same")(*phys)
     return wrap_tree(out, lambda t: wrap(t, state=state))
 
@@ -262,6 +266,11 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
 
     # Cheap probe-free path for queries that return no tensor (shape, dtype, item...):
     # run on block 0 first only when the op is known to be a query.
+    if tensor_module._CAPTURING[0] is not None:
+        from .capture import CaptureError
+
+        raise CaptureError(f"{name} has no clone rule and its exact per-op fallback (torch.func.jvp) runs "
+                           "eagerly only")
     if _FALLBACK["mode"] == "error":
         raise UnsupportedOpError(
             f"jvpreg clone mode has no rule for {name} and the fallback is disabled "

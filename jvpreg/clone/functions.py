@@ -16,7 +16,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .dispatch import fallback
-from .tensor import iter_clones
+from .tensor import _CAPTURING, iter_clones
 
 FUNCTION_RULES: Dict[type, Callable] = {}
 _STATE = {"installed": False, "orig": None}
@@ -59,6 +59,11 @@ def install() -> None:
 
     def apply(cls, *args, **kwargs):
         if next(iter_clones((args, kwargs)), None) is None:
+            if _CAPTURING[0] is not None and torch.is_grad_enabled():
+                from .capture import CaptureError
+
+                raise CaptureError(f"the custom autograd.Function {cls.__qualname__} runs on plain tensors (its "
+                                   "backward would not be replayed)")
             return orig(cls, *args, **kwargs)
         rule = FUNCTION_RULES.get(cls)
         with DisableTorchFunctionSubclass():

@@ -39,6 +39,13 @@ class CloneTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _DISPATCH[0](func, args, kwargs or {})
 
+    def as_subclass(self, cls):
+        # While a capture traces the clone forward (jvpreg.clone.capture), the physical tensor is
+        # the tracked one: ``as_subclass`` itself is invisible to the tracer.
+        if _CAPTURING[0] is not None and cls is torch.Tensor:
+            return _tracked_phys(self)
+        return torch.Tensor.as_subclass(self, cls)
+
     def __repr__(self, *, tensor_contents=None):  # pragma: no cover - cosmetic
         with DisableTorchFunctionSubclass():
             k = self.shape[0]
@@ -46,6 +53,29 @@ class CloneTensor(torch.Tensor):
 
 
 _DISPATCH: list = [None]  # set by jvpreg.clone.dispatch (which imports this module)
+_CAPTURING: list = [None]  # the tracer while jvpreg.clone.capture records a clone forward, else None
+
+
+def track(clone: CloneTensor, phys: torch.Tensor) -> CloneTensor:
+    """While capturing: make the tracer see ``clone`` as the tracked physical tensor ``phys``."""
+    tracer = _CAPTURING[0]
+    if tracer is not None:
+        from torch.fx.experimental import proxy_tensor
+
+        clone._jvp_phys = phys
+        proxy_tensor.set_proxy_slot(clone, tracer, proxy_tensor.get_proxy_slot(phys, tracer))
+    return clone
+
+
+def _tracked_phys(clone: CloneTensor) -> torch.Tensor:
+    phys = getattr(clone, "_jvp_phys", None)
+    with DisableTorchFunctionSubclass():
+        same = phys is not None and phys.shape == clone.shape and phys.stride() == clone.stride()
+    if not same:
+        from .capture import CaptureError
+
+        raise CaptureError("a clone tensor changed its metadata in place (or was created outside the capture)")
+    return phys
 
 
 def is_clone(x: Any) -> bool:
@@ -74,11 +104,15 @@ def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:
     """View a physical ``(K, *L)`` tensor as a :class:`CloneTensor`."""
     if type(phys) is CloneTensor:
         with DisableTorchFunctionSubclass():
-            out = phys.as_subclass(CloneTensor)
+            out = torch.Tensor.as_subclass(phys, CloneTensor)
+            if _CAPTURING[0] is not None:
+                phys = _tracked_phys(phys)
     else:
         out = phys.as_subclass(CloneTensor)
     if state:
         out._jvp_state = True
+    if _CAPTURING[0] is not None:
+        track(out, phys)
     return out
 
 

@@ -1,0 +1,467 @@
+"""Captured clone mode: record a module's clone forward once as a plain aten program, then replay it.
+
+Eager clone mode pays 10-50 µs of Python per op (``__torch_function__``, rule lookup, block
+bookkeeping). For a given module and call signature that work is always the same, so
+:func:`call` runs it *once* under a tracer and keeps what reached the dispatcher: a
+``torch.fx.GraphModule`` of ordinary aten ops on the physical ``(K, *shape)`` tensors, with no
+tensor subclass and no rule lookup left. Later calls with the same signature replay it; the
+replay is ordinary eager PyTorch, so autograd through it gives exact gradients, BatchNorm's
+in-place running-statistics updates happen on the live buffers, and random ops (one dropout mask
+for all blocks) draw fresh numbers on every call. ``engine="compiled"`` hands the same program to
+``torch.compile`` so Inductor fuses the clone rules with the model's ops.
+
+Choice of tracer. ``make_fx(pre_dispatch=True, tracing_mode="real")``:
+
+* *pre-dispatch* records ops above autograd (``aten.linear``, not ``t`` + ``addmm`` + views) and
+  records grad-mode switches (``torch.no_grad`` inside a rule or model) in the graph;
+* *real* tensors run the eager clone forward for real while it is recorded, so every rule runs
+  unchanged; a read of a tensor's *value* by Python (``if h.sum() > 0``, ``.item()``) raises in the
+  tracer instead of being baked in, and that signature falls back to eager clone mode with one
+  :class:`JVPCaptureWarning` that says why.
+Dynamo was the alternative: it guards Python state generally, but it must trace the engine's own
+Python, and clone tensors report their primal's shape, which its fake-tensor inputs cannot express.
+The clone subclass stays invisible to the tracer: clone tensors made while capturing carry their
+tracked physical tensor (:func:`jvpreg.clone.tensor.track`).
+
+Guards (checked on every call, cheaply): the call's pytree structure and every tensor's shape,
+dtype, device, ``requires_grad`` and block count; identity of every parameter and buffer (a
+replaced tensor recaptures; a clone parameter is matched by its metadata); every submodule's
+``training`` flag and its children (a swapped submodule recaptures); grad mode, autocast state and
+the fallback mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
+
+Limits (each falls back to eager clone mode with a warning, never a wrong answer):
+* Python control flow on tensor values; custom ``autograd.Function`` s on plain tensors under
+  autograd (their backward would not be replayed); modules with forward hooks other than
+  weight/spectral norm's (a hook's Python side effects would not be replayed); FSDP-managed modules
+  and DTensor parameters (their collectives belong to FSDP's hooks).
+* Python attributes of submodules that the forward reads (dropout ``p``, ``eps``, flags) are baked
+  into the program: after changing one, call :func:`reset` (or use ``engine="eager"``).
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch._C import DisableTorchFunctionSubclass
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import tensor as _tensor
+from .tensor import CloneTensor
+
+__all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "call", "reset", "uncompiled",
+           "resolve_engine", "programs"]
+
+ENGINES = ("auto", "eager", "captured", "compiled")
+MAX_PROGRAMS = 16
+
+
+class CaptureError(RuntimeError):
+    """The clone forward cannot be recorded as a plain program (the eager clone mode runs instead)."""
+
+
+class JVPCaptureWarning(UserWarning):
+    """A clone forward runs in eager clone mode because it could not be captured; the message says why."""
+
+
+# --------------------------------------------------------------------------------- compiled modules
+
+
+def _orig_of(mod: Any) -> Any:
+    return getattr(mod, "_orig_mod", None) if type(mod).__name__ == "OptimizedModule" else None
+
+
+def is_compiled(func: Any) -> bool:
+    """True for a ``torch.compile``-d module or function."""
+    return _orig_of(func) is not None or getattr(func, "_torchdynamo_orig_callable", None) is not None
+
+
+def unwrap_compiled(func: Any) -> Any:
+    """The module or function under ``torch.compile`` (``func`` itself if it is not compiled)."""
+    orig = _orig_of(func)
+    if orig is not None:
+        return orig
+    return getattr(func, "_torchdynamo_orig_callable", func)
+
+
+@contextlib.contextmanager
+def uncompiled(module: Any):
+    """Inside: every ``torch.compile``-d submodule of ``module`` is its original module.
+
+    Dynamo cannot trace a clone batch (its tensors report the primal's shape); the clone forward
+    runs the original modules, and ``engine="compiled"`` compiles the captured clone program instead.
+    """
+    swaps = []
+    if isinstance(module, nn.Module):
+        for sub in module.modules():
+            for name, child in sub._modules.items():
+                orig = _orig_of(child)
+                if orig is not None:
+                    swaps.append((sub._modules, name, child, orig))
+    try:
+        for store, name, _, orig in swaps:
+            store[name] = orig
+        yield
+    finally:
+        for store, name, child, _ in swaps:
+            store[name] = child
+
+
+def resolve_engine(engine: str, func: Any, where: str) -> str:
+    """``"auto"`` -> ``"compiled"`` for compiled modules, ``"captured"`` for modules, ``"eager"`` otherwise."""
+    if engine not in ENGINES:
+        raise ValueError(f"{where}: expected engine to be one of {', '.join(repr(e) for e in ENGINES)}, "
+                         f"got {engine!r}.")
+    if engine != "auto":
+        return engine
+    if is_compiled(func):
+        return "compiled" if isinstance(unwrap_compiled(func), nn.Module) else "eager"
+    return "captured" if isinstance(func, nn.Module) else "eager"
+
+
+# --------------------------------------------------------------------------------- per-module state
+
+
+@dataclass
+class _Program:
+    gm: Optional[Callable]              # None: this signature runs in eager clone mode
+    refs: Tuple[Any, ...] = ()          # weakrefs to the plain parameters/buffers (identity guard)
+    out_spec: Any = None
+    out_kinds: Tuple[Any, ...] = ()     # per output leaf: "clone"/"state"/"tensor" or the constant
+    compiled: Optional[Callable] = None
+    reason: str = ""
+
+
+@dataclass
+class _Record:
+    """What is known about one module: its submodules, parameter slots and captured programs."""
+
+    modules: List[nn.Module]
+    children: List[Tuple[Any, ...]]
+    slots: List[Tuple[Dict[str, Any], str]]
+    hooks: str = ""
+    programs: Dict[Any, _Program] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "_Record":
+        mods = list(module.modules())
+        slots = [(store, name) for m in mods for store in (m._parameters, m._buffers) for name in store]
+        return cls(mods, [tuple(m._modules.values()) for m in mods], slots, _foreign_hooks(module, mods))
+
+    def valid(self) -> bool:
+        return all(tuple(m._modules.values()) == c for m, c in zip(self.modules, self.children))
+
+
+_RECORDS: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
+_WARNED: set = set()
+
+
+def reset(module: Optional[nn.Module] = None) -> None:
+    """Forget the captured programs of ``module`` (of every module with ``None``)."""
+    if module is None:
+        _RECORDS.clear()
+    else:
+        _RECORDS.pop(module, None)
+
+
+def programs(module: nn.Module) -> Dict[Any, _Program]:
+    """The captured programs of ``module`` by guard key (for tests and introspection)."""
+    rec = _RECORDS.get(module)
+    return {} if rec is None else dict(rec.programs)
+
+
+def _foreign_hooks(root: nn.Module, mods: List[nn.Module]) -> str:
+    """Names of modules with forward hooks whose side effects a replay would lose ('' if none)."""
+    from torch.nn.modules import module as module_mod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    pure = (SpectralNorm, WeightNorm)
+    bad = []
+    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
+        bad.append("global forward hooks")
+    for m in mods:
+        hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
+        if m is root:
+            hooks = [h for h in hooks if not getattr(getattr(h, "__self__", None), "_jvpreg_shared", False)]
+        if any(not isinstance(h, pure) for h in hooks):
+            bad.append(type(m).__name__)
+    return ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "")
+
+
+def _unsupported(module: nn.Module, rec: _Record) -> str:
+    for m in rec.modules:
+        if type(m).__name__.startswith("FSDP") or hasattr(m, "_get_fsdp_state"):
+            return "the module is sharded by FSDP (its all-gathers run in FSDP's hooks)"
+        if isinstance(m, nn.SyncBatchNorm) and m.training:
+            return "SyncBatchNorm gathers statistics across processes (collectives run eagerly)"
+        if isinstance(m, torch.jit.ScriptModule):
+            return "the module contains a TorchScript module"
+    if rec.hooks:
+        return f"forward hooks on {rec.hooks} (their Python side effects would not be replayed)"
+    return ""
+
+
+# --------------------------------------------------------------------------------- the guard key
+
+
+def _leaf_sig(leaf: Any) -> Any:
+    t = type(leaf)
+    if t is CloneTensor:
+        with DisableTorchFunctionSubclass():
+            return ("clone", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad, bool(leaf._jvp_state))
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+    try:
+        hash(leaf)
+    except TypeError:
+        return ("object", id(leaf))
+    return ("const", t, leaf)
+
+
+def _autocast_state() -> Tuple[Any, ...]:
+    out = []
+    for dev in ("cpu", "cuda"):
+        try:
+            on = torch.is_autocast_enabled(dev)
+            out.append((dev, on, torch.get_autocast_dtype(dev) if on else None))
+        except (TypeError, RuntimeError, AttributeError):  # older torch
+            pass
+    return tuple(out)
+
+
+def _key(rec: _Record, call_id: int, in_spec: Any, leaves: List[Any], slot_values: List[Any]) -> Tuple[Any, ...]:
+    from .dispatch import _FALLBACK
+
+    slot_sig = tuple(id(v) if type(v) is not CloneTensor else _leaf_sig(v) for v in slot_values)
+    return (call_id, in_spec, tuple(map(_leaf_sig, leaves)), slot_sig,
+            tuple([m.training for m in rec.modules]), torch.is_grad_enabled(), _autocast_state(),
+            _FALLBACK["mode"])
+
+
+# --------------------------------------------------------------------------------- capture and replay
+
+
+def _phys(leaf: Any) -> torch.Tensor:
+    if type(leaf) is CloneTensor:
+        with DisableTorchFunctionSubclass():
+            return torch.Tensor.as_subclass(leaf, torch.Tensor)
+    return leaf
+
+
+@contextlib.contextmanager
+def _capturing(tracer: Any):
+    prev = _tensor._CAPTURING[0]
+    _tensor._CAPTURING[0] = tracer
+    try:
+        yield
+    finally:
+        _tensor._CAPTURING[0] = prev
+
+
+@contextlib.contextmanager
+def _restored_state(module: nn.Module, device: torch.device):
+    """Run something for its trace only: buffers and the RNG come back as they were."""
+    buffers = [b for b in module.buffers() if b is not None]
+    with torch.no_grad():
+        saved = [b.clone() for b in buffers]
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved):
+                b.copy_(s)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+
+
+def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec: _Record,
+           slot_values: List[Any]) -> _Program:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+
+    clone_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    slot_pos = [i for i, v in enumerate(slot_values) if isinstance(v, torch.Tensor)]
+    n_in = len(clone_pos)
+    out_meta: Dict[str, Any] = {}
+
+    def traced(*flat):
+        tracer = get_proxy_mode().tracer
+        with _capturing(tracer):
+            new_leaves = list(leaves)
+            for i, t in zip(clone_pos, flat[:n_in]):
+                old = leaves[i]
+                new_leaves[i] = _tensor.wrap(t, state=bool(old._jvp_state)) if type(old) is CloneTensor else t
+            for j, t in zip(slot_pos, flat[n_in:]):
+                if type(slot_values[j]) is CloneTensor:
+                    _tensor.track(slot_values[j], t)
+            args, kwargs = tree_unflatten(new_leaves, in_spec)
+            out = fn(*args, **kwargs)
+            out_leaves, out_spec = tree_flatten(out)
+            kinds, tensors = [], []
+            for leaf in out_leaves:
+                if type(leaf) is CloneTensor:
+                    kinds.append("state" if leaf._jvp_state else "clone")
+                    tensors.append(_tensor._tracked_phys(leaf))
+                elif isinstance(leaf, torch.Tensor):
+                    kinds.append("tensor")
+                    tensors.append(leaf)
+                else:
+                    kinds.append(("const", leaf))
+            out_meta["spec"], out_meta["kinds"] = out_spec, tuple(kinds)
+            return tensors
+
+    # The trace runs the forward for real: it reads copies of the call's tensors (an in-place op on
+    # an input must not reach the replay twice); parameters and buffers are restored afterwards.
+    with torch.no_grad():
+        copies = [_phys(leaves[i]).clone() for i in clone_pos]
+    inputs = [c.requires_grad_(leaves[i].requires_grad) for c, i in zip(copies, clone_pos)]
+    inputs += [_phys(slot_values[j]) for j in slot_pos]
+    device = next((t.device for t in inputs), torch.device("cpu"))
+    from . import functions
+
+    functions.install()
+    with _restored_state(module, device), warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
+        gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
+    optimize(gm)
+    refs = tuple(weakref.ref(v) if isinstance(v, torch.Tensor) and type(v) is not CloneTensor else None
+                 for v in slot_values)
+    return _Program(gm=gm, refs=refs, out_spec=out_meta["spec"], out_kinds=out_meta["kinds"])
+
+
+def _pure(target: Any) -> bool:
+    """An op whose result depends only on its arguments (no mutation, no randomness)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return target is operator.getitem
+    schema = target._schema
+    return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def optimize(gm: torch.fx.GraphModule) -> None:
+    """Common-subexpression and dead-code elimination on a captured program, in place.
+
+    The clone rules read block 0 of the same tensor many times (``h[0]``); the eager engine cannot
+    share those reads across rules, the program can. Conservative: the table of known values is
+    dropped at every mutating or non-aten node, and random ops are never merged.
+    """
+    graph = gm.graph
+    seen: Dict[Any, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if not _pure(node.target):
+            seen.clear()
+            continue
+        try:
+            key = (node.target, tuple(node.args), tuple(sorted(node.kwargs.items())))
+            hash(key)
+        except TypeError:
+            continue
+        prev = seen.get(key)
+        if prev is None:
+            seen[key] = node
+        else:
+            node.replace_all_uses_with(prev)
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _inputs(leaves: List[Any], slot_values: List[Any]) -> List[torch.Tensor]:
+    flat = [_phys(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    flat += [_phys(v) for v in slot_values if isinstance(v, torch.Tensor)]
+    return flat
+
+
+def _rebuild(prog: _Program, outs: List[torch.Tensor]) -> Any:
+    it = iter(outs)
+    leaves = []
+    for kind in prog.out_kinds:
+        if kind == "clone":
+            leaves.append(_tensor.wrap(next(it)))
+        elif kind == "state":
+            leaves.append(_tensor.wrap(next(it), state=True))
+        elif kind == "tensor":
+            leaves.append(next(it))
+        else:
+            leaves.append(kind[1])
+    return tree_unflatten(leaves, prog.out_spec)
+
+
+def _warn_eager(module: nn.Module, reason: str) -> None:
+    key = (type(module).__qualname__, reason)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(
+        f"jvpreg: the clone forward of {type(module).__name__} runs in eager clone mode (exact, but slower) "
+        f"because it cannot be captured: {reason}. Pass engine='eager' to silence this warning.",
+        JVPCaptureWarning, stacklevel=4)
+
+
+def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engine: str = "captured",
+         fn: Optional[Callable] = None) -> Any:
+    """Run ``fn(*args, **kwargs)`` (default ``module``) as ``module``'s captured clone forward.
+
+    ``args``/``kwargs`` hold clone tensors (and anything else); ``module``'s parameters may have
+    been swapped for clones (parameter directions). Returns what the eager clone forward returns:
+    the same clone tensors (exactly the same values: the replay runs the recorded kernels).
+
+    Args:
+        module: the module whose parameters, buffers and submodules the call reads.
+        args, kwargs: the call's arguments.
+        engine: ``"captured"`` (replay the recorded program), ``"compiled"`` (the program under
+            ``torch.compile``), or ``"eager"`` (plain clone mode).
+        fn: the callable to record (e.g. ``module.forward`` to skip the module's own hooks).
+    """
+    kwargs = {} if kwargs is None else kwargs
+    fn = module if fn is None else fn
+    if engine == "eager":
+        with uncompiled(module):
+            return fn(*args, **kwargs)
+    rec = _RECORDS.get(module)
+    if rec is None or not rec.valid():
+        rec = _RECORDS[module] = _Record.of(module)
+    leaves, in_spec = tree_flatten((args, kwargs))
+    slot_values = [store.get(name) for store, name in rec.slots]
+    key = _key(rec, id(getattr(fn, "__func__", fn)), in_spec, leaves, slot_values)
+    prog = rec.programs.get(key)
+    if prog is not None and prog.gm is not None and not all(
+            r is None or r() is v for r, v in zip(prog.refs, slot_values)):
+        prog = None  # a parameter was replaced by another tensor with the id of a dead one
+    if prog is None:
+        reason = _unsupported(module, rec)
+        if not reason and len(rec.programs) >= MAX_PROGRAMS:
+            reason = f"more than {MAX_PROGRAMS} call signatures (shapes, modes) were seen; call " \
+                     "jvpreg.clone.capture.reset(module) if they are transient"
+        if not reason:
+            try:
+                with uncompiled(module):
+                    prog = _trace(module, fn, in_spec, leaves, rec, slot_values)
+            except CaptureError as err:
+                reason = str(err)
+            except RuntimeError as err:
+                if "data-dependent" not in str(err) and "tracing tensor" not in str(err):
+                    raise
+                reason = "its Python control flow reads tensor values (data-dependent control flow)"
+        if prog is None:
+            prog = _Program(gm=None, reason=reason)
+        rec.programs[key] = prog
+    if prog.gm is None:
+        _warn_eager(module, prog.reason)
+        with uncompiled(module):
+            return fn(*args, **kwargs)
+    run = prog.gm
+    if engine == "compiled":
+        if prog.compiled is None:
+            prog.compiled = torch.compile(prog.gm, dynamic=False)
+        run = prog.compiled
+    return _rebuild(prog, run(*_inputs(leaves, slot_values)))
