@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from pytorch_lightning import Callback, LightningModule, Trainer
 
+from ..clone.capture import ENGINES
 from ..losses.base import (JVPPenalty, Stack, Term, as_terms, check_choice, check_float, check_int,
                            regularized_forward)
 from ..losses.constraints import TRANSFORMS, JVPConstraint, TangentProp
@@ -71,8 +72,13 @@ class _Coordinator:
         sf = self.forwards.get(path)
         if sf is None:
             sf = SharedForward(_resolve(self.pl_module, cb.module, type(cb).__name__),
-                               input_index=cb.input_index, input_key=cb.input_key)
+                               input_index=cb.input_index, input_key=cb.input_key, engine=cb.engine)
+            sf.requested_engine = cb.engine
             self.forwards[path] = sf
+        elif sf.requested_engine != cb.engine:
+            raise ValueError(f"{type(cb).__name__}(name={cb.name!r}): regularizers of module={cb.module!r} share one "
+                             f"clone forward and must agree on the engine: got engine={cb.engine!r} and "
+                             f"engine={sf.requested_engine!r}.")
         elif (sf.input_index, sf.input_key) != (cb.input_index, cb.input_key):
             raise ValueError(f"{type(cb).__name__}(name={cb.name!r}): regularizers of module={cb.module!r} must "
                              f"agree on the input: got input_index={cb.input_index}, input_key={cb.input_key!r} "
@@ -242,6 +248,9 @@ class JVPRegularizer(Callback):
             makes the ``state_key`` (Lightning rejects two callbacks with one ``state_key``).
         log_val_jacobian: at validation, log ``val/jacobian_fro``, a one-projection estimate of
             ``sqrt(mean_b ||J_f(x_b)||_F²)`` on each validation batch (one extra block in the val forward).
+        engine: how the clone forward runs (see :func:`jvpreg.jvp`): ``"auto"`` replays a program
+            captured once per input signature (compiled when the network is ``torch.compile``-d),
+            ``"eager"`` forces op-by-op clone mode; regularizers of one module must agree.
 
     Raises:
         TypeError: arguments of the wrong type.
@@ -261,7 +270,8 @@ class JVPRegularizer(Callback):
                  warmup_steps: int = 0, total_steps: Optional[int] = None, final_weight: float = 0.0,
                  every_n_steps: int = 1, batch_fraction: float = 1.0, module: Optional[str] = None,
                  input_index: int = 0, input_key: Optional[str] = None, target_index: Optional[int] = 1,
-                 target_key: Optional[str] = None, name: Optional[str] = None, log_val_jacobian: bool = False):
+                 target_key: Optional[str] = None, name: Optional[str] = None, log_val_jacobian: bool = False,
+                 engine: str = "auto"):
         where = f"{type(self).__name__}(...)"
         if not isinstance(penalty, (JVPPenalty, Stack)):
             raise TypeError(f"{where}: expected penalty to be a jvpreg.losses.JVPPenalty or Stack, "
@@ -297,6 +307,7 @@ class JVPRegularizer(Callback):
         if not isinstance(log_val_jacobian, bool):
             raise TypeError(f"{where}: expected log_val_jacobian to be a bool, got {log_val_jacobian!r}.")
         self.log_val_jacobian = log_val_jacobian
+        self.engine = check_choice(where, "engine", engine, ENGINES)
         self.terms: List[Term] = [(p, w, min(f, self.batch_fraction)) for p, w, f in as_terms(penalty, where)]
         self.steps_applied = 0
         self.last_value: Optional[float] = None

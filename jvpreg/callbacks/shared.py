@@ -15,6 +15,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..clone import capture
 from ..losses.base import Plan, Term, prepare
 
 __all__ = ["SharedForward"]
@@ -28,6 +29,9 @@ class SharedForward:
         input_index: position of the input in the module's positional arguments.
         input_key: name of the input when passed as a keyword argument, or key of the input inside
             a dict passed at ``input_index``.
+        engine: how the cloned call runs (see :func:`jvpreg.jvp`): ``"auto"``/``"captured"`` replay
+            a captured program, ``"compiled"`` runs it under ``torch.compile``, ``"eager"`` forces
+            op-by-op clone mode. ``torch.compile``-d submodules run their original code in the clone.
 
     Example::
 
@@ -38,8 +42,12 @@ class SharedForward:
         >>> shared.disarm()
     """
 
-    def __init__(self, module: nn.Module, *, input_index: int = 0, input_key: Optional[str] = None):
+    _jvpreg_shared = True  # capture knows these hooks are the clone forward's own
+
+    def __init__(self, module: nn.Module, *, input_index: int = 0, input_key: Optional[str] = None,
+                 engine: str = "auto"):
         self.module = module
+        self.engine = capture.resolve_engine(engine, module, "SharedForward(module)")
         self.input_index = input_index
         self.input_key = input_key
         self._terms: Optional[List[Term]] = None
@@ -63,10 +71,27 @@ class SharedForward:
         self.disarm()
         self._terms = list(terms)
         self._targets = None if targets is None else list(targets)
+        # the cloned call runs through jvpreg.clone.call (captured program, compiled submodules
+        # uncompiled); ``forward`` is looked up before the pre-hook runs, so it is swapped here
+        orig = self.module.forward
+        self._own_forward = self.module.__dict__.get("forward")  # an instance-level forward set by the user
+        self._orig_forward = orig
+
+        def forward(*args, **kwargs):
+            if self._plan is None or self._depth:
+                return orig(*args, **kwargs)
+            return capture.call(self.module, args, kwargs, engine=self.engine, fn=orig)
+
+        self.module.forward = forward
 
     def disarm(self) -> None:
         """Forget the armed terms and results; restore swapped parameters if a forward failed midway."""
         self._exit()
+        if getattr(self, "_orig_forward", None) is not None:
+            self.module.__dict__.pop("forward", None)
+            if self._own_forward is not None:
+                self.module.forward = self._own_forward
+            self._orig_forward = self._own_forward = None
         self._terms = self._targets = self._plan = self.plan = self.values = self.batch_size = None
         self._depth = 0
         self.fired = False

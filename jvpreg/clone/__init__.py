@@ -3,18 +3,19 @@
 Layout: ``tensor`` (the K-block batch type), ``registry`` (the one rule registry), ``dispatch``
 (routing and the exact fallback), ``structural`` (affine/shape fast paths), ``rules/`` (one
 module per family of nonlinear ops), ``functions`` (custom autograd.Functions), ``api``
-(``jvp``, ``jvp_params``, ``pack``/``unpack``).
+(``jvp``, ``jvp_params``, ``pack``/``unpack``, ``call``), ``capture`` (the captured and compiled engines).
 """
 from . import structural  # noqa: F401  (registers the fast paths)
 from . import rules  # noqa: F401  (registers the rules)
-from .api import choose_scales, jvp, jvp_params, pack, primal_of, unpack
+from .api import call, choose_scales, jvp, jvp_params, pack, primal_of, unpack
+from .capture import JVPCaptureWarning
 from .dispatch import JVPFallbackWarning, UnsupportedOpError, fallback_mode, set_fallback
 from .functions import register_function_rule
 from .registry import register_handler, register_rule, register_state
 from .tensor import CloneTensor, is_clone
 
 __all__ = [
-    "CloneTensor", "JVPFallbackWarning", "UnsupportedOpError", "choose_scales", "fallback_mode", "is_clone",
+    "CloneTensor", "JVPCaptureWarning", "JVPFallbackWarning", "call", "UnsupportedOpError", "choose_scales", "fallback_mode", "is_clone",
     "jvp", "jvp_params", "pack", "primal_of", "register_function_rule", "register_handler", "register_rule",
     "register_state", "set_fallback", "unpack",
 ]

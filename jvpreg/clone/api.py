@@ -140,9 +140,17 @@ def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
     return t.shape[0] if batched else 1
 
 
-def _call(func: Callable, args: tuple, kwargs: dict, engine: str) -> Any:
-    """``func(*args, **kwargs)`` on clone batches with the chosen engine (see :mod:`jvpreg.clone.capture`)."""
+def call(func: Callable, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *, engine: str = "auto") -> Any:
+    """``func(*args, **kwargs)`` where the arguments hold clone batches (from :func:`pack`), run by ``engine``.
+
+    The one way every entry point (``jvp``, ``jvp_params``, the losses and callbacks) runs a clone
+    forward: ``"captured"`` replays a recorded aten program, ``"compiled"`` that program under
+    ``torch.compile``, ``"eager"`` dispatches op by op; ``"auto"`` picks as :func:`jvp` documents.
+    ``torch.compile``-d modules and functions run their original code (see :mod:`jvpreg.clone.capture`).
+    """
+    engine = capture.resolve_engine(engine, func, "jvpreg.clone.call(func, args, kwargs)")
     target = capture.unwrap_compiled(func)
+    args, kwargs = tuple(args), dict(kwargs or {})
     if engine != "eager" and isinstance(target, nn.Module):
         return capture.call(target, args, kwargs, engine=engine)
     with capture.uncompiled(target):
@@ -208,7 +216,7 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
         raise ValueError(f"{where}: every tangent must carry the same number of directions k, got {sorted(ks)}.")
     tans = tuple(t if batched_tangents else t.unsqueeze(0) for t in tangents)
     clones, s = pack(tuple(primals), tans, scale=scale)
-    result = _call(func, clones, {}, engine)
+    result = call(func, clones, engine=engine)
     if has_aux:
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(f"{where}: has_aux=True expects func to return a (output, aux) tuple.")
@@ -314,7 +322,7 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
         inputs = tuple(primals)
     swapped = {n: wrap(_blocks(p, u, s)) for n, (p, u) in zip(params, pairs)}
     with swapped_tensors(module, {params[n]: t for n, t in swapped.items()}):
-        result = _call(module, tuple(inputs), dict(kwargs or {}), engine)
+        result = call(module, inputs, kwargs, engine=engine)
     if has_aux:
         result, aux = result
     out, tan = unpack(result, s, batched=batched_tangents)

@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..clone import api as _api
+from ..clone import capture as _capture
 from ..clone import functions as _functions
 from ..clone.tensor import wrap as _wrap
 
@@ -197,10 +198,11 @@ class JVPPenalty(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must implement penalty(jvp, context).")
 
     def forward(self, model: nn.Module, x: torch.Tensor, target: Any = None, *, batch_fraction: float = 1.0,
-                args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None):
-        """``(f(x), penalty)`` from one clone forward of ``model(x, *args, **kwargs)``."""
+                args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None, engine: str = "auto"):
+        """``(f(x), penalty)`` from one clone forward of ``model(x, *args, **kwargs)`` (``engine``: see
+        :func:`regularized_forward`)."""
         return regularized_forward(model, x, self, target=target, batch_fraction=batch_fraction, args=args,
-                                   kwargs=kwargs)
+                                   kwargs=kwargs, engine=engine)
 
     # -- random directions -------------------------------------------------------------------
     def generator(self, device: torch.device) -> Optional[torch.Generator]:
@@ -534,9 +536,9 @@ class Stack(nn.Module):
         return list(zip(self.members, self._weights, self._fractions))
 
     def forward(self, model: nn.Module, x: torch.Tensor, target: Any = None, *, args: Sequence[Any] = (),
-                kwargs: Optional[Mapping[str, Any]] = None, return_parts: bool = False):
+                kwargs: Optional[Mapping[str, Any]] = None, return_parts: bool = False, engine: str = "auto"):
         """``(f(x), sum_i w_i penalty_i)`` (plus ``{name: penalty_i}`` with ``return_parts=True``)."""
-        out, total, parts = _run(model, x, self.terms, target, args, kwargs)
+        out, total, parts = _run(model, x, self.terms, target, args, kwargs, engine)
         return (out, total, parts) if return_parts else (out, total)
 
 
@@ -552,11 +554,13 @@ def as_terms(penalties: Any, where: str) -> List[Term]:
                     f"got {type(penalties).__name__}.")
 
 
-def _run(model, x, terms, target, args, kwargs):
+def _run(model, x, terms, target, args, kwargs, engine="auto"):
     args, kwargs = tuple(args), dict(kwargs or {})
+    engine = _capture.resolve_engine(engine, model, "regularized_forward(model, x, penalties)")
+    model = _capture.unwrap_compiled(model)
     plan = prepare(model, x, terms, target=target, forward=lambda z: model(z, *args, **kwargs))
     with plan.swapped(model):
-        raw = model(plan.x_in, *args, **kwargs)
+        raw = _api.call(model, (plan.x_in, *args), kwargs, engine=engine)
     out, values = plan.finish(raw)
     parts = {slot.name: v for slot, v in zip(plan.slots, values)}
     return out, plan.total(values), parts
@@ -564,7 +568,7 @@ def _run(model, x, terms, target, args, kwargs):
 
 def regularized_forward(model: nn.Module, x: torch.Tensor, penalties: Any, *, target: Any = None,
                         batch_fraction: float = 1.0, args: Sequence[Any] = (),
-                        kwargs: Optional[Mapping[str, Any]] = None) -> Tuple[Any, torch.Tensor]:
+                        kwargs: Optional[Mapping[str, Any]] = None, engine: str = "auto") -> Tuple[Any, torch.Tensor]:
     """``(f(x), penalty)`` from one clone forward: the helper for hand-written training loops.
 
     Runs ``model(x, *args, **kwargs)`` once on the concatenated batch of every penalty's directions;
@@ -580,6 +584,9 @@ def regularized_forward(model: nn.Module, x: torch.Tensor, penalties: Any, *, ta
         target: the batch's targets, passed to the penalties (e.g. ``JVPConstraint``'s ``direction(x, y)``).
         batch_fraction: apply the penalties to the first ``ceil(f * B)`` rows only (see module docstring).
         args, kwargs: further arguments of the model call.
+        engine: how the clone forward runs (see :func:`jvpreg.jvp`): ``"auto"`` replays a captured
+            program for the model (compiled if the model is ``torch.compile``-d), ``"eager"`` forces
+            op-by-op clone mode.
 
     Returns:
         ``(out, penalty)``.
@@ -601,5 +608,5 @@ def regularized_forward(model: nn.Module, x: torch.Tensor, penalties: Any, *, ta
         raise TypeError(f"{where}: expected model to be an nn.Module, got {type(model).__name__}.")
     f = check_float(where, "batch_fraction", batch_fraction, low=0.0, high=1.0, low_open=True)
     terms = [(p, w, min(fr, f)) for p, w, fr in as_terms(penalties, where)]
-    out, total, _ = _run(model, x, terms, target, args, kwargs)
+    out, total, _ = _run(model, x, terms, target, args, kwargs, engine)
     return out, total

@@ -1,0 +1,353 @@
+"""Captured clone mode (jvpreg.clone.capture): same numbers as eager clone mode, guards, fallbacks."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import jvpreg
+from jvpreg.clone import JVPCaptureWarning, capture, fallback_mode
+from jvpreg.losses import JacobianFrobenius, Stack, TangentProp, regularized_forward
+from jvpreg.models import build_model
+
+D = torch.float64
+
+
+def randn(*shape, dtype=D):
+    return torch.randn(*shape, dtype=dtype)
+
+
+class Branchy(nn.Module):
+    """Python control flow on a tensor value: cannot be captured."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.relu(h) if h.sum() > 0 else torch.tanh(h)
+
+
+class Straight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.round()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class WithFunction(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + Straight.apply(self.lin.weight).sum()
+
+
+def _vit():
+    return torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=2,
+                                                hidden_dim=16, mlp_dim=32, num_classes=5)
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell):
+        super().__init__()
+        self.rnn = cell(5, 6, num_layers=2, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+ZOO = {
+    "mlp-relu": (lambda: nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)), (5, 6)),
+    "cnn-bn-maxpool": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                                              nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16, 3)), (4, 2, 4, 4)),
+    "resnet18": (lambda: torchvision.models.resnet18(num_classes=4), (2, 3, 32, 32)),
+    "mobilenet_v3_small": (lambda: torchvision.models.mobilenet_v3_small(num_classes=4), (2, 3, 32, 32)),
+    "vit": (_vit, (2, 3, 16, 16)),
+    "lstm": (lambda: Recurrent(nn.LSTM), (3, 4, 5)),
+    "gru": (lambda: Recurrent(nn.GRU), (3, 4, 5)),
+    "unet": (lambda: build_model("unet", in_channels=1, num_classes=2, image_size=16), (2, 1, 16, 16)),
+}
+SLOW = {"densenet121": (lambda: torchvision.models.densenet121(num_classes=4), (2, 3, 32, 32)),
+        "efficientnet_b0": (lambda: torchvision.models.efficientnet_b0(num_classes=4), (2, 3, 32, 32)),
+        "vgg11_bn": (lambda: torchvision.models.vgg11_bn(num_classes=4), (2, 3, 32, 32))}
+
+
+def _zoo_params():
+    for name in ZOO:
+        for mode in ("train", "eval"):
+            yield pytest.param(name, mode, ZOO[name], id=f"{name}-{mode}")
+    for name in SLOW:
+        for mode in ("train", "eval"):
+            yield pytest.param(name, mode, SLOW[name], id=f"{name}-{mode}", marks=pytest.mark.slow)
+
+
+def _dropout_free(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+@pytest.mark.parametrize("name, mode, spec", list(_zoo_params()))
+def test_captured_equals_eager_on_the_zoo(name, mode, spec):
+    """float64: output, JVP (two tangents) and BatchNorm buffers of the captured replay equal eager clone mode."""
+    torch.manual_seed(0)
+    build, shape = spec
+    model = _dropout_free(build().to(D))
+    model.train(mode == "train")
+    x, us = randn(*shape), randn(2, *shape)
+    eager = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JVPCaptureWarning)
+        for _ in range(2):  # capture, then replay
+            y, t = jvpreg.jvp(model, (x,), (us,), batched_tangents=True, engine="captured")
+            y_e, t_e = jvpreg.jvp(eager, (x,), (us,), batched_tangents=True, engine="eager")
+            torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    assert all(p.gm is not None for p in capture.programs(model).values())
+    assert len(capture.programs(model)) == 1
+    for (n, b), b_e in zip(model.named_buffers(), eager.buffers()):
+        assert torch.equal(b, b_e), n
+
+
+def test_captured_running_stats_bitwise_equal_to_plain_forward():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=4).train()
+    plain = copy.deepcopy(model)
+    x, u = torch.randn(4, 3, 32, 32), torch.randn(4, 3, 32, 32)
+    for _ in range(2):
+        jvpreg.jvp(model, (x,), (u,))
+        plain(x)
+    for (n, b), b_p in zip(model.named_buffers(), plain.buffers()):
+        assert torch.equal(b, b_p), n
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_captured_penalty_gradients_equal_eager_and_torch_func(mode):
+    """Gradients of ||J u||^2 + sum f(x) through the replay equal eager clone mode (and torch.func in eval)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.BatchNorm1d(7), nn.ReLU(),
+                          nn.Linear(7, 2)).to(D).train(mode == "train")
+    x, u = randn(6, 5), randn(6, 5)
+
+    def grads(engine):
+        m = copy.deepcopy(model)
+        for _ in range(2):  # the second call replays
+            m.zero_grad()
+            y, t = jvpreg.jvp(m, (x,), (u,), engine=engine)
+            (t.pow(2).sum() + y.sum()).backward()
+        return [p.grad for p in m.parameters()]
+
+    for g, g_e in zip(grads("captured"), grads("eager")):
+        torch.testing.assert_close(g, g_e, rtol=1e-12, atol=1e-12)
+    if mode == "eval":
+        m = copy.deepcopy(model)
+        y, t = torch.func.jvp(m, (x,), (u,))
+        (t.pow(2).sum() + y.sum()).backward()
+        for g, p in zip(grads("captured"), m.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_cache_hit_and_recapture_on_changed_guards():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU()).to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    jvpreg.jvp(model, (x,), (u,))
+    (prog,) = capture.programs(model).values()
+    jvpreg.jvp(model, (x,), (u,))
+    assert list(capture.programs(model).values()) == [prog]  # hit: the same program object
+    jvpreg.jvp(model, (randn(5, 4),), (randn(5, 4),))  # shape
+    assert len(capture.programs(model)) == 2
+    model.eval()
+    jvpreg.jvp(model, (x,), (u,))  # mode
+    assert len(capture.programs(model)) == 3
+    model.float()
+    y, t = jvpreg.jvp(model, (x.float(),), (u.float(),))  # dtype (parameters replaced -> recapture)
+    assert t.dtype == torch.float32 and len(capture.programs(model)) == 4
+    with torch.no_grad():
+        jvpreg.jvp(model, (x.float(),), (u.float(),))  # grad mode
+    assert len(capture.programs(model)) == 5
+    jvpreg.jvp(model, (x.float(),), (torch.randn(2, 3, 4),), batched_tangents=True)  # number of tangents
+    assert len(capture.programs(model)) == 6
+
+
+def test_replaced_parameter_and_swapped_submodule_are_used():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    jvpreg.jvp(model, (x,), (u,))
+    model[0].weight = nn.Parameter(randn(4, 4))
+    model[1] = nn.Tanh()
+    _, t = jvpreg.jvp(model, (x,), (u,))
+    _, t_ref = torch.func.jvp(model, (x,), (u,))
+    torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_inplace_parameter_update_is_seen_by_the_replay():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    jvpreg.jvp(model, (x,), (u,))
+    with torch.no_grad():
+        model[2].weight.mul_(3.0)  # an optimizer step
+    _, t = jvpreg.jvp(model, (x,), (u,))
+    _, t_ref = torch.func.jvp(model, (x,), (u,))
+    torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_value_dependent_control_flow_falls_back_to_eager_with_one_warning(sign):
+    capture._WARNED.clear()
+    torch.manual_seed(0)
+    model = Branchy().to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    with torch.no_grad():
+        model.lin.bias.fill_(10.0 * sign)
+    with pytest.warns(JVPCaptureWarning, match="data-dependent control flow"):
+        _, t = jvpreg.jvp(model, (x,), (u,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JVPCaptureWarning)
+        _, t2 = jvpreg.jvp(model, (x,), (u,))  # warned once
+    _, t_ref = torch.func.jvp(model, (x,), (u,))
+    torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(t2, t_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_forward_hooks_and_custom_functions_fall_back_to_eager():
+    capture._WARNED.clear()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).to(D)
+    seen = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    x, u = randn(3, 4), randn(3, 4)
+    with pytest.warns(JVPCaptureWarning, match="forward hooks on Linear"):
+        jvpreg.jvp(model, (x,), (u,))
+    jvpreg.jvp(model, (x,), (u,))
+    assert len(seen) == 2  # the hook ran on every call
+
+    capture._WARNED.clear()
+    model = WithFunction().to(D)
+    with pytest.warns(JVPCaptureWarning, match="custom autograd.Function Straight"):
+        _, t = jvpreg.jvp(model, (x,), (u,))
+    _, t_ref = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    torch.testing.assert_close(t, t_ref, rtol=0, atol=0)
+
+
+def test_op_without_rule_falls_back_to_eager_with_the_exact_fallback():
+    capture._WARNED.clear()
+
+    class Atan(nn.Module):
+        def forward(self, x):
+            return torch.atan(x) * 2
+
+    model = Atan()
+    x, u = randn(3, 4), randn(3, 4)
+    with pytest.warns(JVPCaptureWarning, match="torch.atan has no clone rule"):
+        _, t = jvpreg.jvp(model, (x,), (u,))
+    _, t_ref = torch.func.jvp(model, (x,), (u,))
+    torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_dropout_one_mask_for_all_blocks_and_fresh_masks_per_call():
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3)).to(D).train()
+    x, u = randn(4, 6), randn(4, 6)
+    torch.manual_seed(3)
+    y_c, t_c = jvpreg.jvp(model, (x,), (u,))  # the capture restores the RNG: the replay draws as eager would
+    torch.manual_seed(3)
+    y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+    torch.testing.assert_close(t_c, t_e, rtol=0, atol=0)
+    y2, _ = jvpreg.jvp(model, (x,), (u,))
+    assert not torch.equal(y2, y_c)  # a new mask on the next call
+
+
+def test_jvp_params_captured_equals_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 2)).to(D)
+    x = randn(3, 2, 4, 4)
+    dirs = {"0.weight": randn(2, 3, 2, 3, 3), "4.bias": randn(2, 2)}
+    eager = copy.deepcopy(model)
+    for _ in range(2):
+        y, t = jvpreg.jvp_params(model, (x,), dirs, batched_tangents=True)
+        y_e, t_e = jvpreg.jvp_params(eager, (x,), dirs, batched_tangents=True, engine="eager")
+        torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    assert all(p.gm is not None for p in capture.programs(model).values())
+
+
+def test_stacked_penalties_captured_equal_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(48, 3)).to(D).train()
+    x = randn(4, 1, 4, 4)
+
+    def run(engine):
+        m = copy.deepcopy(model)
+        stack = Stack([JacobianFrobenius(n_projections=2, seed=0), TangentProp(transforms=("translate_x",))],
+                      weights=[1.0, 0.5])
+        for _ in range(2):
+            m.zero_grad()
+            out, pen = stack(m, x, engine=engine)
+            (out.sum() + pen).backward()
+        return out, pen, [p.grad for p in m.parameters()]
+
+    out, pen, grads = run("auto")
+    out_e, pen_e, grads_e = run("eager")
+    torch.testing.assert_close(pen, pen_e, rtol=1e-12, atol=1e-12)
+    for g, g_e in zip(grads, grads_e):
+        torch.testing.assert_close(g, g_e, rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_module_runs_its_original_code_exactly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(D)
+    compiled = torch.compile(model, backend="eager")
+    x, u = randn(3, 4), randn(3, 4)
+    _, t_ref = torch.func.jvp(model, (x,), (u,))
+    for engine in ("eager", "captured"):
+        _, t = jvpreg.jvp(compiled, (x,), (u,), engine=engine)
+        torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
+    # a compiled submodule inside a plain module
+    outer = nn.Sequential(torch.compile(nn.Linear(4, 4).to(D), backend="eager"), nn.Tanh())
+    _, t = jvpreg.jvp(outer, (x,), (u,))
+    _, t_ref = torch.func.jvp(nn.Sequential(outer[0]._orig_mod, outer[1]), (x,), (u,))
+    torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
+    out, pen = regularized_forward(compiled, x, JacobianFrobenius(seed=0))
+    assert torch.isfinite(pen)
+
+
+@pytest.mark.slow
+def test_compiled_engine_equals_captured():
+    """engine='compiled': the captured program under torch.compile (Inductor) gives the same JVP and gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 2)).to(D)
+    x, u = randn(5, 6), randn(5, 6)
+    m2 = copy.deepcopy(model)
+    for _ in range(2):
+        model.zero_grad(), m2.zero_grad()
+        y, t = jvpreg.jvp(model, (x,), (u,), engine="compiled")
+        y2, t2 = jvpreg.jvp(m2, (x,), (u,), engine="captured")
+        torch.testing.assert_close(t, t2, rtol=1e-10, atol=1e-12)
+        (t.pow(2).sum()).backward()
+        (t2.pow(2).sum()).backward()
+        for p, p2 in zip(model.parameters(), m2.parameters()):
+            torch.testing.assert_close(p.grad, p2.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_engine_argument_is_validated():
+    with pytest.raises(ValueError, match=r"jvpreg.jvp\(func, primals, tangents\): expected engine to be one of"):
+        jvpreg.jvp(nn.Linear(2, 2), (torch.randn(1, 2),), (torch.randn(1, 2),), engine="fast")
+
+
+def test_plain_functions_default_to_eager_and_can_be_captured_only_as_modules():
+    x, u = randn(3, 4), randn(3, 4)
+    with fallback_mode("error"):
+        _, t = jvpreg.jvp(lambda z: torch.relu(z) * 2, (x,), (u,))
+    torch.testing.assert_close(t, torch.where(x > 0, 2 * u, torch.zeros_like(u)))
