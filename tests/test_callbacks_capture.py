@@ -1,0 +1,64 @@
+"""Regularizer callbacks on the captured engine: same gradients as eager clone mode through a real Trainer,
+also when the network is torch.compile-d."""
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import pytest
+import torch
+from torch import nn
+
+from jvpreg.callbacks import JacobianRegularizer, TangentPropRegularizer
+from jvpreg.clone import capture
+
+from test_callbacks import GradCapture, Lit, cnn_bn, make_trainer
+
+F64 = torch.float64
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def _loader(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 4, 4, generator=g, dtype=F64)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def _fit(net, engine, compiled=False, steps=2):
+    torch.manual_seed(0)
+    lit = Lit(torch.compile(net, backend="eager") if compiled else net).to(F64)
+    grads = GradCapture()
+    regs = [JacobianRegularizer(weight=0.5, n_projections=2, seed=0, engine=engine),
+            TangentPropRegularizer(weight=0.1, transforms=("translate_x",), engine=engine)]
+    make_trainer([*regs, grads], max_steps=steps).fit(lit, _loader())
+    return lit, grads.grads
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain-net", "compiled-net"])
+def test_captured_callbacks_give_the_eager_gradients(compiled):
+    torch.manual_seed(0)
+    net = cnn_bn().to(F64)
+    lit, grads = _fit(copy.deepcopy(net), "auto", compiled=compiled)
+    _, grads_e = _fit(copy.deepcopy(net), "eager")
+    assert len(grads) == len(grads_e) == 2
+    for step, (g, g_e) in enumerate(zip(grads, grads_e)):
+        for name, value in g_e.items():
+            torch.testing.assert_close(g[name.replace("net.", "net._orig_mod.") if compiled else name], value,
+                                       rtol=1e-10, atol=1e-12, msg=lambda m: f"step {step} {name}: {m}")
+    progs = capture.programs(lit)
+    assert progs and all(p.gm is not None for p in progs.values())
+
+
+def test_regularizers_must_agree_on_the_engine():
+    lit = Lit(cnn_bn().to(F64)).to(F64)
+    regs = [JacobianRegularizer(weight=0.5, engine="eager"), TangentPropRegularizer(weight=0.1)]
+    with pytest.raises(ValueError, match="must agree on the engine"):
+        make_trainer(regs, max_steps=1).fit(lit, _loader())
+
+
+def test_engine_is_validated_at_construction():
+    with pytest.raises(ValueError, match="engine"):
+        JacobianRegularizer(weight=0.5, engine="turbo")
