@@ -6,6 +6,7 @@ import sys
 
 BENCHMARKS = {
     "jvp": ("jvpreg.bench.jvp", "JVP engines side by side on ResNet-50 / VGG-16 / DenseNet-121 (issue: engine)"),
+    "capture": ("jvpreg.bench.capture", "clone engines (eager, captured, compiled) vs the plain 2B forward and autodiff"),
     "train": ("jvpreg.bench.train", "regularized training step vs plain step and double backprop"),
     "paper": ("jvpreg.bench.paper", "the paper's timing tables over 13 architectures"),
     "spectral": ("jvpreg.bench.spectral", "top-k singular values: clone JVPs vs torch.func"),

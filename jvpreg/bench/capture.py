@@ -1,0 +1,307 @@
+"""``python -m jvpreg.bench capture``: the clone engines (eager, captured, compiled) against the plain 2B forward.
+
+Side by side in one process, per model: the plain forward of the B and 2B-row batches (the
+physical limit of a clone JVP is the 2B forward), ``jvpreg.jvp`` with ``engine="eager"``,
+``"captured"`` and ``"compiled"``, the ``torch.compile``-d 2B forward (the limit for the compiled
+engine), ``torch.func.jvp``, forward-mode AD, and ``torch.compile(torch.func.jvp)``. Repeats are
+*interleaved* (one run of every method per round), so slow drifts of a shared machine hit every
+method alike; times are medians over rounds. Every method's JVP is checked against the eager clone
+engine once, and a method that fails is recorded as failing (the run goes on).
+
+Suites: ``small`` (the four small-op models of the captured-clone issue), ``rnn`` (the paper's
+row-by-row Elman RNN, a 2-layer LSTM and a GRU on 8-step sequences), ``large`` (ResNet-50, VGG-16,
+DenseNet-121 at batch 8, 64x64) and ``gpu`` (ResNet-50, ViT-B/16, DenseNet-121 at batch 32, 224x224).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+import jvpreg
+from jvpreg.bench.report import command_line, geo_mean, load_average, md_table, steady_malloc, write_json
+from jvpreg.bench.timing import machine_description, sync
+
+METHODS = ("forward_B", "forward_2B", "eager", "captured", "compiled_forward_2B", "compiled",
+           "torch.func.jvp", "forward_ad", "compiled_torch.func.jvp")
+COMPILE_METHODS = ("compiled_forward_2B", "compiled", "compiled_torch.func.jvp")
+
+
+class _Recurrent(nn.Module):
+    """A 2-layer LSTM or GRU over a short sequence, then a linear head."""
+
+    def __init__(self, cell: type, features: int = 32, hidden: int = 64):
+        super().__init__()
+        self.rnn = cell(features, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def _mlp():
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(20)])
+
+
+def _tv(name: str, **kw) -> Callable[[], nn.Module]:
+    def build():
+        import torchvision
+
+        return getattr(torchvision.models, name)(**kw)
+    return build
+
+
+def _vit_small():
+    import torchvision
+
+    model = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=4, num_heads=4, hidden_dim=64,
+                                                 mlp_dim=128, num_classes=10)
+    return _random_head(model)
+
+
+def _random_head(model: nn.Module) -> nn.Module:
+    """torchvision's ViTs start with a zero head (every JVP is 0): give it random weights."""
+    nn.init.normal_(model.heads.head.weight, std=0.02)
+    return model
+
+
+def _row_rnn():
+    from jvpreg.models import build_model
+
+    return build_model("rnn", in_channels=1, num_classes=10, image_size=28)
+
+
+# name -> (builder, input shape)
+SUITES: Dict[str, Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]]] = {
+    "small": {
+        "mlp20x64": (_mlp, (4, 64)),
+        "resnet18": (_tv("resnet18", num_classes=10), (1, 3, 32, 32)),
+        "mobilenet_v3_small": (_tv("mobilenet_v3_small", num_classes=10), (1, 3, 32, 32)),
+        "vit_4x64": (_vit_small, (2, 3, 32, 32)),
+    },
+    "rnn": {
+        "row_rnn": (_row_rnn, (4, 1, 28, 28)),
+        "lstm2": (lambda: _Recurrent(nn.LSTM), (4, 8, 32)),
+        "gru2": (lambda: _Recurrent(nn.GRU), (4, 8, 32)),
+    },
+    "large": {
+        "resnet50": (_tv("resnet50"), (8, 3, 64, 64)),
+        "vgg16": (_tv("vgg16"), (8, 3, 64, 64)),
+        "densenet121": (_tv("densenet121"), (8, 3, 64, 64)),
+    },
+    "gpu": {
+        "resnet50": (_tv("resnet50"), (32, 3, 224, 224)),
+        "vit_b_16": (lambda: _random_head(_tv("vit_b_16")()), (32, 3, 224, 224)),
+        "densenet121": (_tv("densenet121"), (32, 3, 224, 224)),
+    },
+}
+
+
+def _forward_ad(model, x, u):
+    from torch.autograd import forward_ad as fwAD
+
+    with fwAD.dual_level():
+        return fwAD.unpack_dual(model(fwAD.make_dual(x, u)))
+
+
+def method_fns(model: nn.Module, x: torch.Tensor, u: torch.Tensor, methods) -> Dict[str, Callable[[], object]]:
+    """One zero-argument callable per method; each returns ``(y, Ju)`` or the forward's output."""
+    x2 = torch.cat([x, x])
+    fns: Dict[str, Callable[[], object]] = {
+        "forward_B": lambda: model(x),
+        "forward_2B": lambda: model(x2),
+        "eager": lambda: jvpreg.jvp(model, (x,), (u,), engine="eager"),
+        "captured": lambda: jvpreg.jvp(model, (x,), (u,), engine="captured"),
+        "compiled": lambda: jvpreg.jvp(model, (x,), (u,), engine="compiled"),
+        "torch.func.jvp": lambda: torch.func.jvp(model, (x,), (u,)),
+        "forward_ad": lambda: _forward_ad(model, x, u),
+    }
+    if "compiled_forward_2B" in methods:
+        compiled_model = torch.compile(model, dynamic=False)
+        fns["compiled_forward_2B"] = lambda: compiled_model(x2)
+    if "compiled_torch.func.jvp" in methods:
+        cj = torch.compile(lambda a, b: torch.func.jvp(model, (a,), (b,)), dynamic=False)
+        fns["compiled_torch.func.jvp"] = lambda: cj(x, u)
+    return {m: fns[m] for m in methods}
+
+
+def _jvp_of(result) -> torch.Tensor | None:
+    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
+
+
+def bench_model(name: str, model: nn.Module, x: torch.Tensor, methods, rounds: int, warmup: int,
+                autocast: torch.dtype | None, clock: str = "wall") -> dict:
+    """Interleaved medians (seconds) of every method on one model, plus the JVP check."""
+    device = x.device
+    u = torch.randn_like(x)
+    fns = method_fns(model, x, u, methods)
+    ctx = (lambda: torch.autocast(device.type, dtype=autocast)) if autocast else None
+    row = {"model": name, "times": {}, "errors": {}, "rel_diff": {}}
+    live: Dict[str, Callable[[], object]] = {}
+    ref = None
+    for meth, fn in fns.items():  # first call: captures / compiles, checks, warms up
+        try:
+            with torch.no_grad(), (ctx() if ctx else _null()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.manual_seed(0)
+                jv = _jvp_of(fn())
+                if meth == "eager":
+                    ref = jv
+                elif jv is not None and ref is not None:
+                    row["rel_diff"][meth] = float((jv.float() - ref.float()).norm() / ref.float().norm())
+                for _ in range(warmup):
+                    fn()
+            live[meth] = fn
+        except Exception as err:  # recorded, never fatal
+            row["errors"][meth] = f"{type(err).__name__}: {str(err).splitlines()[0][:140] if str(err) else ''}"
+    times: Dict[str, List[float]] = {m: [] for m in live}
+    import time
+
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    for _ in range(rounds):
+        for meth, fn in live.items():
+            with torch.no_grad(), (ctx() if ctx else _null()):
+                sync(device)
+                t0 = now()
+                fn()
+                sync(device)
+                times[meth].append(now() - t0)
+    import statistics
+
+    row["times"] = {m: statistics.median(v) for m, v in times.items()}
+    t = row["times"]
+    for meth in ("eager", "captured"):
+        if t.get(meth) and t.get("forward_2B"):
+            row[f"{meth}/fwd2B"] = t[meth] / t["forward_2B"]
+    if t.get("compiled") and t.get("compiled_forward_2B"):
+        row["compiled/compiled_fwd2B"] = t["compiled"] / t["compiled_forward_2B"]
+    alts = [t[m] for m in ("torch.func.jvp", "forward_ad", "compiled_torch.func.jvp") if t.get(m)]
+    best = min((t[m] for m in ("captured", "compiled") if t.get(m)), default=None)
+    if alts and best:
+        row["fastest_autodiff/best_clone"] = min(alts) / best
+    return row
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run(suites, methods, rounds: int, warmup: int, device: str, mode: str, autocast, progress: bool,
+        clock: str = "wall", batch_size: int | None = None) -> dict:
+    from tqdm.auto import tqdm
+
+    specs = [(s, n, b, shp) for s in suites for n, (b, shp) in SUITES[s].items()]
+    rows = []
+    for suite, name, build, shape in tqdm(specs, desc="bench capture", disable=not progress):
+        torch.manual_seed(0)
+        model = build().to(device)
+        model.train(mode == "train")
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if batch_size:
+            shape = (batch_size, *shape[1:])
+        x = torch.randn(*shape, device=device)
+        row = bench_model(name, model, x, methods, rounds, warmup, autocast, clock)
+        row["suite"], row["shape"] = suite, list(shape)
+        rows.append(row)
+        del model
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    summary = {}
+    for suite in suites:
+        rs = [r for r in rows if r["suite"] == suite]
+        for key in ("eager/fwd2B", "captured/fwd2B", "compiled/compiled_fwd2B", "fastest_autodiff/best_clone"):
+            summary[f"{suite}: {key}"] = geo_mean(r.get(key) for r in rs)
+    return {"rows": rows, "geomean": summary}
+
+
+def to_markdown(result: dict, meta: dict) -> str:
+    methods = meta["methods"]
+    lines = [f"# Clone engines side by side ({meta['device']}, {meta['mode']} mode"
+             + (f", {meta['autocast']} autocast" if meta["autocast"] else "") + ")", "",
+             f"Command: `{meta['command']}`  ",
+             f"Machine: {meta['machine']['cpu']} ({meta['machine']['cpu_cores']} cores, torch threads "
+             f"{meta['machine']['torch_threads']}), GPU: {meta['machine']['gpu'] or 'none'}, torch "
+             f"{meta['machine']['torch']}; load average before the run: {meta['load']}  ",
+             f"Medians of {meta['rounds']} interleaved rounds after {meta['warmup']} warm-up runs "
+             f"({meta['clock']} clock); times in ms; float32.", ""]
+    headers = ["model", "input"] + list(methods) + ["eager / fwd 2B", "captured / fwd 2B",
+                                                    "compiled / compiled fwd 2B", "fastest autodiff / best clone"]
+    table = []
+    for r in result["rows"]:
+        t = r["times"]
+        cells = [r["model"], "x".join(map(str, r["shape"]))]
+        cells += [f"{t[m] * 1e3:.3f}" if t.get(m) else "fails" for m in methods]
+        for key in ("eager/fwd2B", "captured/fwd2B", "compiled/compiled_fwd2B", "fastest_autodiff/best_clone"):
+            cells.append(f"{r[key]:.2f}" if r.get(key) else "-")
+        table.append(cells)
+    lines.append(md_table(headers, table))
+    lines += ["", "Geometric means:", ""]
+    lines += [f"- {k}: **{v:.2f}**" for k, v in result["geomean"].items() if v == v]
+    lines += ["", "Relative difference of each method's JVP to the eager clone engine's, and failures:", ""]
+    for r in result["rows"]:
+        diffs = ", ".join(f"{k} {v:.1e}" for k, v in r["rel_diff"].items())
+        errs = "; ".join(f"{k}: {v}" for k, v in r["errors"].items())
+        lines.append(f"- {r['model']}: {diffs}" + (f"; failures: {errs}" if errs else ""))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python -m jvpreg.bench capture", description=__doc__.splitlines()[0])
+    ap.add_argument("--suites", default="small,rnn,large", help=f"comma-separated, of {', '.join(SUITES)}")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of " + ", ".join(METHODS))
+    ap.add_argument("--no-compile", action="store_true", help="drop the torch.compile methods (minutes of compiling)")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--mode", choices=("eval", "train"), default="eval")
+    ap.add_argument("--autocast", choices=("none", "bf16"), default="none")
+    ap.add_argument("--batch-size", type=int, default=None, help="override every model's batch size")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall clock, or process CPU time (steadier on a shared CPU; use with --threads 1)")
+    ap.add_argument("--steady-malloc", action="store_true", help="never-trimmed heap (no page-fault noise on CPU)")
+    ap.add_argument("--out", default="experiments/results/bench_capture_{device}", help="output prefix (.md, .json)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    suites = [s.strip() for s in args.suites.split(",") if s.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [s for s in suites if s not in SUITES] + [m for m in methods if m not in METHODS]
+    if bad:
+        ap.error(f"unknown suite or method: {', '.join(bad)}")
+    if args.no_compile:
+        methods = [m for m in methods if m not in COMPILE_METHODS]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.steady_malloc:
+        steady_malloc()
+    autocast = torch.bfloat16 if args.autocast == "bf16" else None
+    load = load_average()
+    result = run(suites, methods, args.rounds, args.warmup, args.device, args.mode, autocast, not args.no_progress,
+                 args.clock, args.batch_size)
+    meta = {"command": command_line("python -m jvpreg.bench capture", argv), "machine": machine_description(args.device),
+            "device": args.device, "mode": args.mode, "autocast": args.autocast if autocast else None,
+            "rounds": args.rounds, "warmup": args.warmup, "methods": methods, "clock": args.clock,
+            "load": ", ".join(f"{v:.2f}" for v in load) if load else "n/a"}
+    md = to_markdown(result, meta)
+    print(md)
+    out = Path(args.out.format(device=torch.device(args.device).type))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(md)
+    write_json(out.with_suffix(".json"), {"meta": meta, **result})
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
