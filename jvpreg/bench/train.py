@@ -6,7 +6,10 @@ training step (zero_grad, forward, backward, SGD step) per method and writes Mar
 * ``plain``: task loss only.
 * ``clone``: task loss + lam * JacobianFrobenius (1 projection, whole batch) through the callbacks'
   own code path (:class:`jvpreg.callbacks.SharedForward` armed around the model call: one forward
-  of the 2B-row batch, one backward).
+  of the 2B-row batch, one backward), on the default (captured) engine; ``clone_eager`` and
+  ``clone_compiled`` force the eager and the compiled engines (:mod:`jvpreg.clone.capture`).
+* ``plain_compiled``: the plain step with the model under ``torch.compile`` (the reference for
+  ``clone_compiled``).
 * ``double_backprop``: Hoffman et al. 2019 (facebookresearch/jacobian_regularizer): a random unit
   output projection ``v`` per sample, ``vᵀJ`` by ``autograd.grad(create_graph=True)``, penalty
   ``C ||vᵀJ||² / (2B)``, then the backward through that graph.
@@ -50,8 +53,10 @@ from ..losses import JacobianFrobenius
 from .timing import machine_description, measure
 
 LAM = 0.01
-METHODS = ("plain", "clone", "double_backprop", "forward_ad", "func_jvp", "functional_jvp")
-JVP_METHODS = ("forward_ad", "func_jvp", "functional_jvp")
+METHODS = ("plain", "clone", "clone_eager", "double_backprop", "forward_ad", "func_jvp", "functional_jvp",
+           "plain_compiled", "clone_compiled")
+CLONE_ENGINES = {"clone": "auto", "clone_eager": "eager", "clone_compiled": "compiled"}
+JVP_METHODS = ("forward_ad", "func_jvp", "functional_jvp", "clone_eager", "clone_compiled")
 DEFAULT_OUT = "experiments/results/bench_train_cpu"
 
 
@@ -65,7 +70,14 @@ def build(name: str) -> tuple:
         from ..models import MLP
 
         return MLP(in_features=784, hidden=(512, 512), num_classes=10), (1, 28, 28)
-    raise ValueError(f"bench train: unknown model {name!r}; expected 'resnet18' or 'mlp'.")
+    if name == "mlp200":  # Hoffman et al.'s MNIST MLP
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(),
+                             nn.Linear(200, 10)), (1, 28, 28)
+    if name == "vit":
+        from .capture import _vit_small
+
+        return _vit_small(), (3, 32, 32)
+    raise ValueError(f"bench train: unknown model {name!r}; expected 'resnet18', 'mlp', 'mlp200' or 'vit'.")
 
 
 class FixedDirection(JacobianFrobenius):
@@ -86,7 +98,8 @@ class Step:
         self.method, self.initial, self.x, self.y, self.u = method, model, x, y, u
         self.model = copy.deepcopy(model).train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
-        self.shared = SharedForward(self.model) if method == "clone" else None
+        self.forward = torch.compile(self.model) if method == "plain_compiled" else self.model
+        self.shared = self._shared(self.model)
         self.random_penalty = JacobianFrobenius(1)
 
     def __call__(self) -> torch.Tensor:
@@ -96,19 +109,23 @@ class Step:
         self.opt.step()
         return loss.detach()
 
+    def _shared(self, model: nn.Module) -> Optional[SharedForward]:
+        engine = CLONE_ENGINES.get(self.method)
+        return None if engine is None else SharedForward(model, engine=engine)
+
     def gradient(self) -> Dict[str, torch.Tensor]:
         """Parameter gradients at the initial weights along the fixed direction ``u`` (no update)."""
         model = copy.deepcopy(self.initial).train()
-        shared = SharedForward(model) if self.method == "clone" else None
+        shared = self._shared(model)
         loss = self.loss(model, shared, FixedDirection(self.u))
         grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
         return {n: g for (n, _), g in zip(model.named_parameters(), grads) if g is not None}
 
     def loss(self, model: nn.Module, shared: Optional[SharedForward], penalty: JacobianFrobenius) -> torch.Tensor:
         x, y, u, b = self.x, self.y, self.u, self.x.shape[0]
-        if self.method == "plain":
-            return F.cross_entropy(model(x), y)
-        if self.method == "clone":  # the callbacks' code path: hooks armed around the user's forward
+        if self.method in ("plain", "plain_compiled"):
+            return F.cross_entropy((self.forward if model is self.model else model)(x), y)
+        if shared is not None:  # the callbacks' code path: hooks armed around the user's forward
             shared.arm([(penalty, LAM, 1.0)])
             try:
                 out = model(x)  # plain f(x) for the user's code; the clone forward ran underneath
@@ -134,6 +151,36 @@ class Step:
             out, t = torch.autograd.functional.jvp(model, x, u, create_graph=True)
             return F.cross_entropy(out, y) + LAM * t.pow(2).sum() / b
         raise ValueError(f"unknown method {self.method!r}")
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def peak_memory(step: "Step") -> Optional[float]:
+    """Peak resident memory (bytes) one step adds above what the process holds before it (Linux).
+
+    Free heap pages are returned to the OS first (``malloc_trim``) and the kernel's high-water mark is
+    reset (``/proc/self/clear_refs``), so the figure is the step's own peak: activations saved for
+    backward, gradients, temporaries. ``None`` where the kernel does not offer this.
+    """
+    import ctypes
+    import gc
+
+    try:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        rss0 = _proc_status_kib("VmRSS")
+        step()
+        return float(_proc_status_kib("VmHWM") - rss0) * 1024.0
+    except (OSError, AttributeError):
+        return None
 
 
 def _grad_check(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor]) -> float:
@@ -187,6 +234,9 @@ def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[st
                        cpu_median_s=statistics.median(cpu[m]))
         log(f"  {name:<9} {m:<16} " + (f"{row['median_s'] * 1e3:9.1f} ms" if row["status"] == "ok"
                                          else f"fails ({row['error'][:90]})"))
+    for row in rows:  # memory after timing: each step's own peak
+        if row["status"] == "ok":
+            row["peak_bytes"] = peak_memory(steps[row["method"]])
     if profile:
         for row in rows:
             if row["status"] == "ok":
@@ -206,6 +256,8 @@ def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[st
         if plain:
             row["vs_plain"] = row["median_s"] / plain["median_s"]
             row["cpu_vs_plain"] = row["cpu_median_s"] / plain["cpu_median_s"]
+            if row.get("peak_bytes") and plain.get("peak_bytes"):
+                row["memory_vs_plain"] = row["peak_bytes"] / plain["peak_bytes"]
         if clone:
             row["vs_clone"] = row["median_s"] / clone["median_s"]
             row["cpu_vs_clone"] = row["cpu_median_s"] / clone["cpu_median_s"]
@@ -251,19 +303,25 @@ def profile_breakdown(step: "Step", n: int = 3) -> Dict[str, Dict[str, float]]:
 
 
 def targets(rows: List[dict]) -> List[dict]:
-    """The two targets per model: clone <= 2.1x plain; every running alternative >= 2x clone."""
+    """Per model: clone step <= 2.0x plain (time) and <= 2.1x plain (peak memory); double backprop >= 1.5x clone."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model and r["status"] == "ok"]
-        clone = next((r for r in mine if r["method"] == "clone"), None)
+        mine = {r["method"]: r for r in rows if r["model"] == model and r["status"] == "ok"}
+        clone = mine.get("clone")
         if clone is None or "vs_plain" not in clone:
             continue
-        out.append({"model": model, "target": "clone step <= 2.1x plain step", "value": clone["vs_plain"],
-                    "met": clone["vs_plain"] <= 2.1})
-        for r in mine:
-            if r["method"] not in ("plain", "clone"):
-                out.append({"model": model, "target": f"{r['method']} >= 2x clone step", "value": r["vs_clone"],
-                            "met": r["vs_clone"] >= 2.0})
+        out.append({"model": model, "target": "clone step <= 2.0x plain step", "value": clone["vs_plain"],
+                    "met": clone["vs_plain"] <= 2.0})
+        if clone.get("memory_vs_plain"):
+            out.append({"model": model, "target": "clone peak memory <= 2.1x plain", "value": clone["memory_vs_plain"],
+                        "met": clone["memory_vs_plain"] <= 2.1})
+        if "double_backprop" in mine:
+            v = mine["double_backprop"]["vs_clone"]
+            out.append({"model": model, "target": "double backprop >= 1.5x clone step", "value": v, "met": v >= 1.5})
+        if "clone_compiled" in mine and "plain_compiled" in mine:
+            v = mine["clone_compiled"]["median_s"] / mine["plain_compiled"]["median_s"]
+            out.append({"model": model, "target": "compiled clone step / compiled plain step (lower than clone/plain)",
+                        "value": v, "met": v < clone["vs_plain"]})
     return out
 
 
@@ -282,8 +340,8 @@ def markdown(result: dict) -> str:
              "Wall-clock medians are what the targets use; process CPU time (all threads) is shown too, as it "
              "is less sensitive to other jobs on a shared machine.", "",
              "| model | method | median step (ms) | vs plain | vs clone | CPU time (ms) | CPU vs plain | "
-             "CPU vs clone | status |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "CPU vs clone | peak memory (MiB) | memory vs plain | status |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     nan = float("nan")
     for r in result["results"]:
         if r["status"] == "ok":
@@ -292,9 +350,10 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['model']} (B={r['batch']}) | {r['method']} | {r['median_s'] * 1e3:.1f} | "
                          f"{r.get('vs_plain', nan):.2f}x | {r.get('vs_clone', nan):.2f}x | "
                          f"{r['cpu_median_s'] * 1e3:.1f} | {r.get('cpu_vs_plain', nan):.2f}x | "
-                         f"{r.get('cpu_vs_clone', nan):.2f}x | {status} |")
+                         f"{r.get('cpu_vs_clone', nan):.2f}x | {(r.get('peak_bytes') or nan) / 2**20:.1f} | "
+                         f"{r.get('memory_vs_plain', nan):.2f}x | {status} |")
         else:
-            lines.append(f"| {r['model']} (B={r['batch']}) | {r['method']} | fails | | | | | | `{r['error']}` |")
+            lines.append(f"| {r['model']} (B={r['batch']}) | {r['method']} | fails | | | | | | | | `{r['error']}` |")
     lines += ["", "Targets:", ""]
     for t in result["targets"]:
         lines.append(f"- {t['model']}: {t['target']}: {t['value']:.2f}x — {'met' if t['met'] else 'MISSED'}")
@@ -320,7 +379,8 @@ _PROFILE_COLUMNS = ("conv backward", "conv/matmul", "batch_norm kernels", "eleme
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jvpreg.bench train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="resnet18,mlp", help="comma-separated: resnet18, mlp")
+    parser.add_argument("--models", default="resnet18,mlp200:64,vit",
+                        help="comma-separated name[:batch] of resnet18, mlp, mlp200, vit")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10)
@@ -343,9 +403,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     load0 = [round(v, 2) for v in os.getloadavg()]
     print(f"bench train: {args.models} batch {args.batch}, {args.repeats} repeats, {torch.get_num_threads()} threads")
     rows: List[dict] = []
-    for name in args.models.split(","):
-        rows += run_model(name, args.batch, args.repeats, args.warmup, methods, inplace=not args.no_inplace,
-                          profile=args.profile)
+    for spec in args.models.split(","):  # name or name:batch
+        name, _, b = spec.partition(":")
+        rows += run_model(name, int(b) if b else args.batch, args.repeats, args.warmup, methods,
+                          inplace=not args.no_inplace, profile=args.profile)
     result = {"command": command.strip(), "machine": machine_description("cpu"), "load_average_start": load0,
               "inplace_activations": not args.no_inplace, "threads": torch.get_num_threads(),
               "load_average_end": [round(v, 2) for v in os.getloadavg()], "lambda": LAM,
