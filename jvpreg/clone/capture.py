@@ -371,8 +371,34 @@ def optimize(gm: torch.fx.GraphModule) -> None:
         else:
             node.replace_all_uses_with(prev)
             graph.erase_node(node)
+    _drop_broadcast_expands(graph)
     graph.eliminate_dead_code()
     gm.recompile()
+
+
+_EXPANDS = (torch.ops.aten.expand.default, torch.ops.aten.expand_as.default)
+
+
+def _shape(node: Any):
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _drop_broadcast_expands(graph: torch.fx.Graph) -> None:
+    """``op(h, expand(a, h.shape))`` -> ``op(h, a)`` for pointwise ops: broadcasting does the expansion
+    (same values, same gradients) without a call; rules expand block 0 to reuse fused kernels."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _EXPANDS:
+            continue
+        full = _shape(node)
+        for user in list(node.users):
+            t = user.target
+            if (user.op != "call_function" or not isinstance(t, torch._ops.OpOverload)
+                    or torch.Tag.pointwise not in t.tags or t._schema.is_mutable or _shape(user) != full):
+                continue
+            others = [a for a in user.args if isinstance(a, torch.fx.Node) and a is not node]
+            if any(_shape(a) == full for a in others):
+                user.replace_input_with(node, node.args[0])
 
 
 def _inputs(leaves: List[Any], slot_values: List[Any]) -> List[torch.Tensor]:
