@@ -277,7 +277,9 @@ def _restored_state(module: nn.Module, device: torch.device):
     finally:
         with torch.no_grad():
             for b, s in zip(buffers, saved):
-                b.copy_(s)
+                # through .data: the restore must not bump version counters (BatchNorm saves its running
+                # statistics for backward and updates them in its kernel without a bump)
+                b.data.copy_(s)
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
