@@ -119,10 +119,46 @@ def build_loggers(cfg: DictConfig) -> List[Any]:
     return _instantiate_named(group, "logger")
 
 
+def _model_name(cfg: DictConfig) -> Optional[str]:
+    """``model.name``; ``hf_<arch>`` for Hugging Face configs (which have an ``arch`` instead)."""
+    name = cfg.model.get("name")
+    if name is None and cfg.model.get("arch") is not None:
+        return f"hf_{cfg.model.arch}"
+    return name
+
+
+def _external_source(cfg: DictConfig) -> Optional[str]:
+    """``"timm"``/``"transformers"`` when the model config builds from that optional package."""
+    target = str(cfg.model.get("_target_", ""))
+    return {"jvpreg.models.build_timm": "timm", "jvpreg.models.build_hf": "transformers"}.get(target)
+
+
+def _check_external_input(cfg: DictConfig, net: Any) -> None:
+    """One eval-mode forward of a zero image: a timm/HF model too large for the data fails here, with the fix."""
+    import torch
+
+    size = cfg.data.get("image_size")
+    if size is None:
+        return
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    was_training = net.training
+    try:
+        with torch.no_grad():
+            net.eval()(torch.zeros(1, int(cfg.data.in_channels), h, w))
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"jvpreg-train: model={_model_name(cfg)} fails on {cfg.data.in_channels}x{h}x{w} inputs "
+                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]}). Fix: resize the data, e.g. "
+                         "data.resize=32, or make the model smaller than its default (patch size, stages).") from err
+    finally:
+        net.train(was_training)
+
+
 def _check_model_size(cfg: DictConfig) -> None:
     """Fail early, with the fix, when the data is smaller than the model's minimum input."""
     from jvpreg.models.registry import MIN_IMAGE_SIZE
 
+    if _external_source(cfg) is not None:
+        return  # checked by a forward after building (_check_external_input)
     name = str(cfg.model.get("name", "")).strip().lower().replace("-", "_")
     need = {"lenet5": 12, **MIN_IMAGE_SIZE}.get(name)
     size = cfg.data.get("image_size")
@@ -267,8 +303,15 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     log.info("data: %s", cfg.data._target_)
     datamodule = instantiate(cfg.data)
     _check_model_size(cfg)
-    log.info("model: %s", cfg.model.get("name"))
+    log.info("model: %s", _model_name(cfg))
+    source = _external_source(cfg)
+    if source is not None:
+        from jvpreg.models.external import require
+
+        require(source, f"model={_model_name(cfg)}")
     net = instantiate(cfg.model)
+    if source is not None:
+        _check_external_input(cfg, net)
     run_config = _config_dict(cfg)
     lit = ImageClassifier(net, optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
                           scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
@@ -317,7 +360,7 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         for lg in loggers:
             lg.log_metrics({f"robustness/{k}": v for k, v in robustness.items()}, step=trainer.global_step)
         if rob_cfg.get("plot", True):
-            title = (f"model={cfg.model.get('name')} data={cfg.data._target_.rsplit('.', 1)[-1]} "
+            title = (f"model={_model_name(cfg)} data={cfg.data._target_.rsplit('.', 1)[-1]} "
                      f"regularizer={_reg_summary(cfg)} seed={cfg.get('seed')}")
             plot_path = save_plot(history.history, robustness, os.path.join(out_dir, "plots", "summary.png"),
                                   title=title)
@@ -336,7 +379,7 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         elif name == "TensorBoardLogger":
             paths["tensorboard"] = lg.log_dir
     result = {"metrics": metrics, "paths": paths, "history": history.history, "elapsed_s": elapsed,
-              "regularizer": _reg_summary(cfg), "model": cfg.model.get("name"), "seed": cfg.get("seed")}
+              "regularizer": _reg_summary(cfg), "model": _model_name(cfg), "seed": cfg.get("seed")}
     if trainer.is_global_zero:
         with open(paths["metrics_json"], "w") as f:
             json.dump(result, f, indent=2, default=str)
