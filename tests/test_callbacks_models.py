@@ -321,3 +321,31 @@ def test_compiled_network_error_says_it_is_compiled_and_what_to_regularize():
     cb = JacobianRegularizer(1.0, module="net._orig_mod")
     make_trainer([cb]).fit(CallsOriginal(torch.compile(mlp_dropout())), loader)  # the advice works
     assert cb.steps_applied == 1
+
+
+def test_validation_jacobian_and_monitor_take_the_output_key():
+    from jvpreg.callbacks import JacobianMonitor
+
+    torch.manual_seed(0)
+    vit = tiny_vit()
+
+    class HFVal(HFLit):
+        def validation_step(self, batch, batch_idx):
+            self.log("val/loss", self.model(**batch).loss)
+
+    monitor = JacobianMonitor(k=2, n_samples=4, max_samples=4, plot=False, output_key="logits",
+                              forward_fn=lambda m, x: m.model(pixel_values=x), input_fn=lambda b: b["pixel_values"])
+    cb = JacobianRegularizer(1e-3, module="model", input_key="pixel_values", output_key="logits",
+                             log_val_jacobian=True)
+    trainer = make_trainer([cb, monitor], limit_val_batches=1)
+    trainer.fit(HFVal(vit), dict_loader(), dict_loader())
+    vit.eval()
+    x = next(iter(dict_loader()))["pixel_values"]
+    eager_vit = eager(vit).float()
+    jac = torch.func.vmap(torch.func.jacrev(lambda z: eager_vit(pixel_values=z[None]).logits[0]))(x)
+    _, one_projection = JacobianFrobenius(seed=0, output_key="logits")(vit, x)  # the documented route
+    assert float(trainer.callback_metrics["val/jacobian_fro"]) == pytest.approx(float(one_projection.sqrt()), rel=1e-5)
+    sigma1 = torch.linalg.matrix_norm(jac[:4].flatten(2), ord=2).mean()  # max_samples=4
+    assert float(trainer.callback_metrics["jacobian/sigma_1"]) == pytest.approx(float(sigma1), rel=1e-2)
+    with pytest.raises(TypeError, match=r"JacobianMonitor\(output_key=...\): expected None, an int \(index\) or a str"):
+        JacobianMonitor(output_key=["logits"])

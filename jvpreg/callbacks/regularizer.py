@@ -65,7 +65,7 @@ class _Coordinator:
         self.callbacks: List["JVPRegularizer"] = []
         self.forwards: Dict[str, SharedForward] = {}
         self._saved: Dict[str, Any] = {}
-        self._val_penalty = JacobianFrobenius(name="jacobian_fro", seed=0)  # leaves the global RNG alone
+        self._val_penalties: Dict[Any, JacobianFrobenius] = {}  # by output_key; seeded: leave the global RNG alone
 
     # -- registration -----------------------------------------------------------------------
     def attach(self, cb: "JVPRegularizer") -> None:
@@ -183,7 +183,11 @@ class _Coordinator:
         if cb is None:
             return orig(*args, **kwargs)
         sf = self.forwards[cb.module or ""]
-        sf.arm([(self._val_penalty, 1.0, 1.0)])
+        pen = self._val_penalties.get(cb.output_key)
+        if pen is None:
+            pen = self._val_penalties[cb.output_key] = JacobianFrobenius(name="jacobian_fro", seed=0,
+                                                                        output_key=cb.output_key)
+        sf.arm([(pen, 1.0, 1.0)])
         try:
             out = orig(*args, **kwargs)
             if sf.values is not None:
