@@ -37,3 +37,15 @@ def test_example_runs_and_applies_the_regularizer(code, monkeypatch):
     reg, trainer = scope["reg"], scope["trainer"]
     assert reg.steps_applied == 2 and math.isfinite(reg.last_value)
     assert f"train/{reg.name}" in trainer.progress_bar_metrics and "train/total_loss" in trainer.progress_bar_metrics
+
+
+def test_readme_one_liners_build():
+    from jvpreg.callbacks import JacobianRegularizer
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("**Hugging Face, timm, dict batches: one line each.**", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    regs = [eval(line.split("#")[0], {"JacobianRegularizer": JacobianRegularizer}) for line in code.splitlines()]
+    assert [(r.module, r.input_key, r.output_key) for r in regs] == [
+        ("model", "pixel_values", "logits"), ("bert", "inputs_embeds", "pooler_output"), ("net", None, None)]
+    assert len({r.state_key for r in regs}) == 3
