@@ -12,10 +12,14 @@ Examples::
     jvpreg-train model=resnet18 data=synthetic data.in_channels=3 data.size=32 regularizer=stacked
     jvpreg-train -m regularizer.weight=0,0.01,0.1 seed=0,1
     jvpreg-train experiment=digits_tangent_prop logger=csv
+    jvpreg-train model=timm model.name=convnext_atto data.resize=32      # any timm model (extra: timm)
+    jvpreg-train model=hf                                                # Hugging Face ViT from a config (extra: hf)
 
 Outputs (``outputs/<task_name>/<date>_<time>/``, or ``multirun/.../<job>/``): ``checkpoints/best.ckpt``,
 ``csv/metrics.csv``, ``wandb/`` (offline run: upload with ``wandb sync``), ``plots/summary.png``,
-``metrics.json``, ``.hydra/`` (the composed config) and ``<task_name>.log``.
+``metrics.json``, ``.hydra/`` (the composed config) and ``<task_name>.log``. A multirun also writes
+``summary.md``, ``summary.csv`` and ``summary.png`` comparing its jobs in the sweep folder
+(:mod:`jvpreg.summarize`).
 
 Implementation choices:
 
@@ -26,6 +30,9 @@ Implementation choices:
   cost), so ``regularizer.weight=0`` is the no-regularization baseline of a sweep.
 * The robustness evaluation runs on global rank 0 only, on the best checkpoint's weights.
 * Hydra, wandb and matplotlib are imported here (or lazily), never by ``import jvpreg``.
+* timm / Hugging Face models (``model=timm``, ``model=hf*``): the optional package is checked before
+  building (``ImportError`` with the ``pip install``), and one eval-mode forward of a zero image
+  after building turns "input too small" errors deep inside the model into a ``data.resize`` hint.
 """
 from __future__ import annotations
 

@@ -101,3 +101,38 @@ def test_missing_extra_names_the_install_command(tmp_path, monkeypatch, option, 
     with pytest.raises(ImportError, match=rf"model=\S+ needs the optional package '{package}', which is not "
                                           rf"installed\. Fix: pip install -e \"\.\[{extra}\]\""):
         fdr(tmp_path, f"model={option}")
+
+
+def test_timm_pretrained_download_failure_says_what_to_do(monkeypatch):
+    timm = pytest.importorskip("timm")
+    from jvpreg.models import build_timm
+
+    def offline(name, pretrained=False, **kwargs):
+        if pretrained:
+            raise OSError("We couldn't connect to 'https://huggingface.co'")
+        return real(name, pretrained=pretrained, **kwargs)
+
+    real = timm.create_model
+    monkeypatch.setattr(timm, "create_model", offline)
+    with pytest.raises(RuntimeError, match=r"build_timm\('resnet10t', pretrained=True\): could not load the pretrained "
+                                           r"weights \(OSError: .*run online once .* or use model\.pretrained=false"):
+        build_timm("resnet10t", in_channels=3, num_classes=5, image_size=32, pretrained=True)
+
+
+def test_hf_pretrained_loads_the_checkpoint_sized_to_the_data(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from jvpreg.models import HFImageClassifier, build_hf
+
+    seen = {}
+
+    def from_pretrained(name, **kwargs):
+        seen.update(kwargs, name=name)
+        return build_hf("vit", in_channels=3, num_classes=4, image_size=8, config={
+            "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "intermediate_size": 8,
+            "patch_size": 4}).model
+
+    monkeypatch.setattr(transformers.AutoModelForImageClassification, "from_pretrained", from_pretrained)
+    net = build_hf("vit", in_channels=3, num_classes=4, image_size=8, pretrained="google/vit-base-patch16-224")
+    assert isinstance(net, HFImageClassifier) and net(torch.randn(2, 3, 8, 8)).shape == (2, 4)
+    assert seen == {"name": "google/vit-base-patch16-224", "ignore_mismatched_sizes": True, "num_channels": 3,
+                    "num_labels": 4, "image_size": 8}
