@@ -303,24 +303,29 @@ def test_output_key_selects_a_field_of_a_namedtuple_output_by_name():
 # --------------------------------------------------------------------------- torch.compile
 
 
+@pytest.mark.slow  # torch.compile starts Dynamo (seconds on a CPU)
 def test_compiled_network_error_says_it_is_compiled_and_what_to_regularize():
-    loader, _, _ = data()
-    model = Lit(torch.compile(mlp_dropout()))
+    loader, x, _ = data()
+    torch.manual_seed(0)
+    net = mlp_dropout()
+    _, want = JacobianFrobenius(seed=0)(copy.deepcopy(net), x)  # the uncompiled network's penalty
+    cb = JacobianRegularizer(1.0, seed=0, module="net")
     try:
-        make_trainer([JacobianRegularizer(1.0, module="net")]).fit(model, loader)
+        make_trainer([cb]).fit(Lit(torch.compile(copy.deepcopy(net)), lr=0.0), loader)
     except RuntimeError as err:
         assert "'net' is an OptimizedModule" in str(err) and "does not run under torch.compile yet" in str(err)
         assert "call self.net._orig_mod(x) in training_step and pass module='net._orig_mod'" in str(err)
-    else:  # the engine learnt to run compiled modules: then the penalty must be right
-        pytest.skip("compiled modules are supported by the engine now")
+    else:  # the engine runs compiled modules: then the penalty must be the uncompiled network's
+        assert cb.last_value == pytest.approx(float(want), rel=1e-5)
+        return
 
     class CallsOriginal(Lit):
         def training_step(self, batch, batch_idx):
             return F.cross_entropy(self.net._orig_mod(batch[0]), batch[1])
 
-    cb = JacobianRegularizer(1.0, module="net._orig_mod")
-    make_trainer([cb]).fit(CallsOriginal(torch.compile(mlp_dropout())), loader)  # the advice works
-    assert cb.steps_applied == 1
+    cb = JacobianRegularizer(1.0, seed=0, module="net._orig_mod")
+    make_trainer([cb]).fit(CallsOriginal(torch.compile(copy.deepcopy(net)), lr=0.0), loader)  # the advice works
+    assert cb.last_value == pytest.approx(float(want), rel=1e-5)
 
 
 def test_validation_jacobian_and_monitor_take_the_output_key():
