@@ -1,7 +1,7 @@
 """Sweep summaries: one table (Markdown + CSV) and one plot comparing the jobs of a sweep.
 
-``jvpreg-train -m ...`` writes them at the end of every multirun (a Hydra callback,
-:class:`SweepSummaryCallback`, registered in ``jvpreg/conf/hydra/default.yaml``), into the sweep folder:
+``jvpreg-train -m ...`` writes them at the end of every multirun (the Hydra callback
+:class:`jvpreg.train.SweepSummaryCallback`, registered in ``jvpreg/conf/hydra/default.yaml``), into the sweep folder:
 ``summary.md``, ``summary.csv`` and ``summary.png``. ``jvpreg-summarize <dir>`` (also
 ``python -m jvpreg.summarize <dir>``) does the same for runs made elsewhere: SLURM array jobs, W&B
 agents, or single runs collected in one folder.
@@ -16,7 +16,7 @@ deviation, ``n`` seeds) of every figure; the plot shows those groups with error 
 have no ``metrics.json`` (failed or still running) are listed by folder.
 
 Implementation choices: only the standard library is imported at module level (matplotlib when
-plotting), so the command starts fast; columns are the overrides that differ between jobs (those
+plotting; never Hydra), so the command starts fast; columns are the overrides that differ between jobs (those
 shared by all jobs are stated once above the table); clean accuracy is ``robustness/clean_acc``,
 else ``test/acc``.
 """
@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 log = logging.getLogger("jvpreg.summarize")
 
-__all__ = ["Job", "SweepSummary", "SweepSummaryCallback", "load_jobs", "main", "summarize_sweep"]
+__all__ = ["Job", "SweepSummary", "load_jobs", "main", "summarize_sweep"]
 
 #: (metrics.json key, column name), in table order; robustness keys with an ``@`` follow in their own order
 _FIXED_BEFORE = (("clean_acc", "clean acc"),)
@@ -322,48 +322,7 @@ def summarize_sweep(sweep_dir: str | os.PathLike, *, out_dir: str | os.PathLike 
     return summary
 
 
-# --------------------------------------------------------------------------- Hydra callback and CLI
-
-
-try:
-    from hydra.experimental.callback import Callback as _HydraCallback
-except ImportError:  # pragma: no cover - Hydra is a dependency; keeps `jvpreg-summarize` usable without it
-    _HydraCallback = object
-
-
-class SweepSummaryCallback(_HydraCallback):
-    """Hydra callback: summarises the multirun's jobs in its sweep folder when the multirun ends.
-
-    Registered in ``jvpreg/conf/hydra/default.yaml`` (``hydra.callbacks.sweep_summary``); remove it
-    with ``~hydra.callbacks.sweep_summary``. A summary that cannot be written is logged as an error
-    and does not fail the multirun (the jobs' own results are on disk).
-
-    Args:
-        plot: also write ``summary.png``.
-
-    Example::
-
-        # jvpreg/conf/hydra/default.yaml
-        callbacks:
-          sweep_summary:
-            _target_: jvpreg.summarize.SweepSummaryCallback
-    """
-
-    def __init__(self, plot: bool = True) -> None:
-        if not isinstance(plot, bool):
-            raise TypeError(f"SweepSummaryCallback(plot): expected a bool, got {plot!r}.")
-        self.plot = plot
-
-    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        sweep_dir = config.hydra.sweep.dir
-        try:
-            s = summarize_sweep(sweep_dir, plot=self.plot)
-        except Exception:  # noqa: BLE001 - reported, never fatal for a finished sweep
-            log.exception("jvpreg: could not summarise the sweep in %s (the jobs' results are there; retry with "
-                          "jvpreg-summarize %s)", sweep_dir, sweep_dir)
-            return
-        print(f"\njvpreg: sweep summary ({len(s.jobs)} jobs): {s.paths['md']}\n"
-              + "\n".join(f"  {k:<4} {v}" for k, v in s.paths.items() if k != "md"), flush=True)
+# --------------------------------------------------------------------------- command line
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

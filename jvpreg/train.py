@@ -45,11 +45,12 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import hydra
+from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("jvpreg.train")
 
-__all__ = ["main", "train", "build_callbacks", "build_loggers"]
+__all__ = ["SweepSummaryCallback", "main", "train", "build_callbacks", "build_loggers"]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -429,6 +430,47 @@ def _print_summary(result: Dict[str, Any]) -> None:
         lines.append(f"  evaluate again:  jvpreg-eval ckpt_path={p['best_checkpoint']}")
     lines.append("=" * 72)
     print("\n".join(lines), flush=True)
+
+
+# --------------------------------------------------------------------------- sweep summary
+
+
+class SweepSummaryCallback(HydraCallback):
+    """Hydra callback: summarises the multirun's jobs in its sweep folder when the multirun ends.
+
+    Writes ``summary.md``, ``summary.csv`` and ``summary.png`` (:func:`jvpreg.summarize.summarize_sweep`).
+    Registered in ``jvpreg/conf/hydra/default.yaml`` (``hydra.callbacks.sweep_summary``); remove it
+    with ``~hydra.callbacks.sweep_summary``. A summary that cannot be written is logged as an error
+    and does not fail the multirun (the jobs' results are on disk; ``jvpreg-summarize <dir>`` retries).
+
+    Args:
+        plot: also write ``summary.png``.
+
+    Example::
+
+        # jvpreg/conf/hydra/default.yaml
+        callbacks:
+          sweep_summary:
+            _target_: jvpreg.train.SweepSummaryCallback
+    """
+
+    def __init__(self, plot: bool = True) -> None:
+        if not isinstance(plot, bool):
+            raise TypeError(f"SweepSummaryCallback(plot): expected a bool, got {plot!r}.")
+        self.plot = plot
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from jvpreg.summarize import summarize_sweep
+
+        sweep_dir = config.hydra.sweep.dir
+        try:
+            s = summarize_sweep(sweep_dir, plot=self.plot)
+        except Exception:  # noqa: BLE001 - reported, never fatal for a finished sweep
+            log.exception("could not summarise the sweep in %s (the jobs' results are there; retry with "
+                          "jvpreg-summarize %s)", sweep_dir, sweep_dir)
+            return
+        print(f"\njvpreg: sweep summary ({len(s.jobs)} jobs): {s.paths['md']}\n"
+              + "\n".join(f"  {k:<4} {v}" for k, v in s.paths.items() if k != "md"), flush=True)
 
 
 # --------------------------------------------------------------------------- entry point

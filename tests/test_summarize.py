@@ -131,3 +131,19 @@ def test_two_by_two_multirun_writes_its_summary(tmp_path):
     md = (sweep / "summary.md").read_text()
     assert "## Mean ± std over seeds" in md and "\n| 0 | 2 | " in md and "\n| 0.003 | 2 | " in md
     assert (sweep / "summary.png").is_file()
+
+
+def test_multirun_callback_reports_a_failed_summary_without_failing_the_sweep(tmp_path, caplog, capsys):
+    from omegaconf import OmegaConf
+
+    from jvpreg.train import SweepSummaryCallback
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    with caplog.at_level("ERROR", logger="jvpreg.train"):
+        SweepSummaryCallback().on_multirun_end(config)  # no jobs: logged, not raised
+    assert "could not summarise the sweep" in caplog.text and f"jvpreg-summarize {tmp_path}" in caplog.text
+    fake_job(tmp_path, "0", ["seed=0"], 0.9, 1.0)
+    SweepSummaryCallback(plot=False).on_multirun_end(config)
+    assert f"jvpreg: sweep summary (1 jobs): {tmp_path / 'summary.md'}" in capsys.readouterr().out
+    with pytest.raises(TypeError, match=r"SweepSummaryCallback\(plot\): expected a bool, got 'yes'"):
+        SweepSummaryCallback(plot="yes")
