@@ -303,7 +303,6 @@ def test_output_key_selects_a_field_of_a_namedtuple_output_by_name():
 # --------------------------------------------------------------------------- torch.compile
 
 
-@pytest.mark.slow  # torch.compile starts Dynamo (seconds on a CPU)
 def test_compiled_network_error_says_it_is_compiled_and_what_to_regularize():
     loader, x, _ = data()
     torch.manual_seed(0)
