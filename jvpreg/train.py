@@ -12,10 +12,14 @@ Examples::
     jvpreg-train model=resnet18 data=synthetic data.in_channels=3 data.size=32 regularizer=stacked
     jvpreg-train -m regularizer.weight=0,0.01,0.1 seed=0,1
     jvpreg-train experiment=digits_tangent_prop logger=csv
+    jvpreg-train model=timm model.name=convnext_atto data.resize=32      # any timm model (extra: timm)
+    jvpreg-train model=hf                                                # Hugging Face ViT from a config (extra: hf)
 
 Outputs (``outputs/<task_name>/<date>_<time>/``, or ``multirun/.../<job>/``): ``checkpoints/best.ckpt``,
 ``csv/metrics.csv``, ``wandb/`` (offline run: upload with ``wandb sync``), ``plots/summary.png``,
-``metrics.json``, ``.hydra/`` (the composed config) and ``<task_name>.log``.
+``metrics.json``, ``.hydra/`` (the composed config) and ``<task_name>.log``. A multirun also writes
+``summary.md``, ``summary.csv`` and ``summary.png`` comparing its jobs in the sweep folder
+(:mod:`jvpreg.summarize`).
 
 Implementation choices:
 
@@ -26,6 +30,9 @@ Implementation choices:
   cost), so ``regularizer.weight=0`` is the no-regularization baseline of a sweep.
 * The robustness evaluation runs on global rank 0 only, on the best checkpoint's weights.
 * Hydra, wandb and matplotlib are imported here (or lazily), never by ``import jvpreg``.
+* timm / Hugging Face models (``model=timm``, ``model=hf*``): the optional package is checked before
+  building (``ImportError`` with the ``pip install``), and one eval-mode forward of a zero image
+  after building turns "input too small" errors deep inside the model into a ``data.resize`` hint.
 """
 from __future__ import annotations
 
@@ -38,11 +45,12 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import hydra
+from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("jvpreg.train")
 
-__all__ = ["main", "train", "build_callbacks", "build_loggers"]
+__all__ = ["SweepSummaryCallback", "main", "train", "build_callbacks", "build_loggers"]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -119,10 +127,46 @@ def build_loggers(cfg: DictConfig) -> List[Any]:
     return _instantiate_named(group, "logger")
 
 
+def _model_name(cfg: DictConfig) -> Optional[str]:
+    """``model.name``; ``hf_<arch>`` for Hugging Face configs (which have an ``arch`` instead)."""
+    name = cfg.model.get("name")
+    if name is None and cfg.model.get("arch") is not None:
+        return f"hf_{cfg.model.arch}"
+    return name
+
+
+def _external_source(cfg: DictConfig) -> Optional[str]:
+    """``"timm"``/``"transformers"`` when the model config builds from that optional package."""
+    target = str(cfg.model.get("_target_", ""))
+    return {"jvpreg.models.build_timm": "timm", "jvpreg.models.build_hf": "transformers"}.get(target)
+
+
+def _check_external_input(cfg: DictConfig, net: Any) -> None:
+    """One eval-mode forward of a zero image: a timm/HF model too large for the data fails here, with the fix."""
+    import torch
+
+    size = cfg.data.get("image_size")
+    if size is None:
+        return
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    was_training = net.training
+    try:
+        with torch.no_grad():
+            net.eval()(torch.zeros(1, int(cfg.data.in_channels), h, w))
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(f"jvpreg-train: model={_model_name(cfg)} fails on {cfg.data.in_channels}x{h}x{w} inputs "
+                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]}). Fix: resize the data, e.g. "
+                         "data.resize=32, or make the model smaller than its default (patch size, stages).") from err
+    finally:
+        net.train(was_training)
+
+
 def _check_model_size(cfg: DictConfig) -> None:
     """Fail early, with the fix, when the data is smaller than the model's minimum input."""
     from jvpreg.models.registry import MIN_IMAGE_SIZE
 
+    if _external_source(cfg) is not None:
+        return  # checked by a forward after building (_check_external_input)
     name = str(cfg.model.get("name", "")).strip().lower().replace("-", "_")
     need = {"lenet5": 12, **MIN_IMAGE_SIZE}.get(name)
     size = cfg.data.get("image_size")
@@ -267,8 +311,15 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     log.info("data: %s", cfg.data._target_)
     datamodule = instantiate(cfg.data)
     _check_model_size(cfg)
-    log.info("model: %s", cfg.model.get("name"))
+    log.info("model: %s", _model_name(cfg))
+    source = _external_source(cfg)
+    if source is not None:
+        from jvpreg.models.external import require
+
+        require(source, f"model={_model_name(cfg)}")
     net = instantiate(cfg.model)
+    if source is not None:
+        _check_external_input(cfg, net)
     run_config = _config_dict(cfg)
     lit = ImageClassifier(net, optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
                           scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
@@ -317,7 +368,7 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         for lg in loggers:
             lg.log_metrics({f"robustness/{k}": v for k, v in robustness.items()}, step=trainer.global_step)
         if rob_cfg.get("plot", True):
-            title = (f"model={cfg.model.get('name')} data={cfg.data._target_.rsplit('.', 1)[-1]} "
+            title = (f"model={_model_name(cfg)} data={cfg.data._target_.rsplit('.', 1)[-1]} "
                      f"regularizer={_reg_summary(cfg)} seed={cfg.get('seed')}")
             plot_path = save_plot(history.history, robustness, os.path.join(out_dir, "plots", "summary.png"),
                                   title=title)
@@ -336,7 +387,7 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         elif name == "TensorBoardLogger":
             paths["tensorboard"] = lg.log_dir
     result = {"metrics": metrics, "paths": paths, "history": history.history, "elapsed_s": elapsed,
-              "regularizer": _reg_summary(cfg), "model": cfg.model.get("name"), "seed": cfg.get("seed")}
+              "regularizer": _reg_summary(cfg), "model": _model_name(cfg), "seed": cfg.get("seed")}
     if trainer.is_global_zero:
         with open(paths["metrics_json"], "w") as f:
             json.dump(result, f, indent=2, default=str)
@@ -379,6 +430,47 @@ def _print_summary(result: Dict[str, Any]) -> None:
         lines.append(f"  evaluate again:  jvpreg-eval ckpt_path={p['best_checkpoint']}")
     lines.append("=" * 72)
     print("\n".join(lines), flush=True)
+
+
+# --------------------------------------------------------------------------- sweep summary
+
+
+class SweepSummaryCallback(HydraCallback):
+    """Hydra callback: summarises the multirun's jobs in its sweep folder when the multirun ends.
+
+    Writes ``summary.md``, ``summary.csv`` and ``summary.png`` (:func:`jvpreg.summarize.summarize_sweep`).
+    Registered in ``jvpreg/conf/hydra/default.yaml`` (``hydra.callbacks.sweep_summary``); remove it
+    with ``~hydra.callbacks.sweep_summary``. A summary that cannot be written is logged as an error
+    and does not fail the multirun (the jobs' results are on disk; ``jvpreg-summarize <dir>`` retries).
+
+    Args:
+        plot: also write ``summary.png``.
+
+    Example::
+
+        # jvpreg/conf/hydra/default.yaml
+        callbacks:
+          sweep_summary:
+            _target_: jvpreg.train.SweepSummaryCallback
+    """
+
+    def __init__(self, plot: bool = True) -> None:
+        if not isinstance(plot, bool):
+            raise TypeError(f"SweepSummaryCallback(plot): expected a bool, got {plot!r}.")
+        self.plot = plot
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from jvpreg.summarize import summarize_sweep
+
+        sweep_dir = config.hydra.sweep.dir
+        try:
+            s = summarize_sweep(sweep_dir, plot=self.plot)
+        except Exception:  # noqa: BLE001 - reported, never fatal for a finished sweep
+            log.exception("could not summarise the sweep in %s (the jobs' results are there; retry with "
+                          "jvpreg-summarize %s)", sweep_dir, sweep_dir)
+            return
+        print(f"\njvpreg: sweep summary ({len(s.jobs)} jobs): {s.paths['md']}\n"
+              + "\n".join(f"  {k:<4} {v}" for k, v in s.paths.items() if k != "md"), flush=True)
 
 
 # --------------------------------------------------------------------------- entry point

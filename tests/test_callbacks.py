@@ -480,18 +480,23 @@ def test_state_dict_round_trip(name):
     fresh = CALLBACKS[name]()
     fresh.load_state_dict(copy.deepcopy(state))
     _assert_same_state(fresh.state_dict(), state)
-    assert fresh.state_key == cb.state_key == f"{name}{{'name': '{cb.name}'}}"
+    assert fresh.state_key == cb.state_key
+    assert cb.state_key.startswith(f"{name}{{'name': '{cb.name}', 'config': '")
 
 
-def test_distinct_state_keys_and_duplicate_names_rejected():
-    a, b = JacobianRegularizer(1.0), JacobianRegularizer(1.0, name="jac2")
-    assert a.state_key != b.state_key
+def test_distinct_state_keys_without_names_and_identical_duplicates_rejected():
+    a, b = JacobianRegularizer(1.0), JacobianRegularizer(2.0)
+    assert a.state_key != b.state_key and a.name == b.name
+    assert JacobianRegularizer(1.0).state_key == a.state_key  # one configuration, one key
     loader, _, _ = data()
     with pytest.raises(RuntimeError, match=r"Found more than one stateful callback of type `JacobianRegularizer`.*"
-                                           r"The `callback.state_key` must be unique"):  # Lightning's own check
-        make_trainer([JacobianRegularizer(1.0), JacobianRegularizer(2.0)])
-    make_trainer([a, b]).fit(Lit(mlp_dropout()), loader)
+                                           r"The `callback.state_key` must be unique"):  # identical twins only
+        make_trainer([JacobianRegularizer(1.0), JacobianRegularizer(1.0)])
+    trainer = make_trainer([a, b])
+    trainer.fit(Lit(mlp_dropout()), loader)
     assert a.steps_applied == b.steps_applied == 1
+    assert (a.log_name, b.log_name) == ("jacobian_frobenius", "jacobian_frobenius_2")
+    assert {"train/jacobian_frobenius", "train/jacobian_frobenius_2"} <= set(trainer.callback_metrics)
 
 
 # --------------------------------------------------------------------------- errors
@@ -647,7 +652,7 @@ def test_shared_forward_without_lightning_and_its_errors():
     shared = SharedForward(model, input_key="pixels")
     shared.arm([(JacobianFrobenius(), 1.0, 1.0)])
     with pytest.raises(ValueError, match=r"input_key='pixels' is not a key of the dict passed to DictNet.forward "
-                                         r"\(keys: \['image'\]\)"):
+                                         r"at input_index=0; its keys: 'image'. Set input_key to one of them"):
         model({"image": x})
     shared.remove()
 

@@ -9,7 +9,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import pytest
 import torch
-from torch import nn
 
 from jvpreg.callbacks import JacobianRegularizer, TangentPropRegularizer
 from jvpreg.clone import capture

@@ -78,11 +78,25 @@ def test_every_option_composes_and_resolves(group, option):
     assert cfg.model.image_size == cfg.data.image_size
 
 
-@pytest.mark.parametrize("name", options("model"))
+EXTERNAL_MODELS = {"timm": "build_timm", "hf": "build_hf", "hf_convnext": "build_hf", "hf_swin": "build_hf"}
+
+
+@pytest.mark.parametrize("name", [o for o in options("model") if o not in EXTERNAL_MODELS])
 def test_model_configs_name_registered_architectures(name):
     cfg = make_cfg([f"model={name}"])
     assert cfg.model.name == name and name in list_models()
     assert cfg.model._target_ == "jvpreg.models.build_model"
+
+
+@pytest.mark.parametrize("name", list(EXTERNAL_MODELS))
+def test_external_model_configs_build_from_the_data(name):
+    pytest.importorskip("timm" if name == "timm" else "transformers")
+    extra = ["data.resize=32", "+model.depths=[1,1,1,1]", "+model.dims=[8,16,32,64]"] if name == "timm" else []
+    cfg = make_cfg([f"model={name}", *extra])
+    assert cfg.model._target_ == f"jvpreg.models.{EXTERNAL_MODELS[name]}"
+    net = instantiate(cfg.model)
+    side = cfg.data.image_size
+    assert net(torch.rand(2, 1, side, side)).shape == (2, 10)
 
 
 def test_every_registered_model_has_a_config():

@@ -31,12 +31,13 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 from pytorch_lightning import Callback
 
 from jvpreg.analysis import ENGINES, METHODS, frobenius_norm, top_singular_values
+from jvpreg.losses.base import select_output
 
 __all__ = ["JacobianMonitor"]
 
@@ -71,7 +72,10 @@ class JacobianMonitor(Callback):
             validation dataloader (cached). Never modified.
         input_fn: ``batch -> input tensor`` for validation batches that are not a tensor, a
             ``(x, y)`` tuple/list or a dict with one of the keys ``x, input, inputs, image, images, data``.
-        forward_fn: ``(pl_module, x) -> output tensor`` (default ``pl_module(x)``).
+        forward_fn: ``(pl_module, x) -> output`` (default ``pl_module(x)``), e.g. to call a submodule.
+        output_key: the tensor of the output to analyse when it is a tuple, dict or object: an index,
+            a key or an attribute name (``"logits"`` of a Hugging Face ``ModelOutput``), as in the
+            regularizers.
         tol, max_iter, oversample: passed to :func:`~jvpreg.analysis.top_singular_values`
             (defaults ``1e-4``, ``50``, ``4``).
         engine: ``"clone"`` (default) or ``"torch.func"``.
@@ -92,7 +96,8 @@ class JacobianMonitor(Callback):
     def __init__(self, k: int = 5, every_n_epochs: int = 1, *, n_samples: int = 32, fro_method: str = "hutchinson",
                  max_samples: Optional[int] = 8, batch: Optional[torch.Tensor] = None,
                  input_fn: Optional[Callable[[Any], torch.Tensor]] = None,
-                 forward_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None, tol: float = 1e-4,
+                 forward_fn: Optional[Callable[[Any, torch.Tensor], torch.Tensor]] = None,
+                 output_key: Union[int, str, None] = None, tol: float = 1e-4,
                  max_iter: int = 50, oversample: int = 4, engine: str = "clone", plot: bool = True,
                  plot_dir: Optional[str | os.PathLike] = None, seed: int = 0) -> None:
         super().__init__()
@@ -119,6 +124,10 @@ class JacobianMonitor(Callback):
                 raise TypeError(f"JacobianMonitor({name}=...): expected a callable or None, got {type(fn).__name__}.")
         self.input_fn = input_fn
         self.forward_fn = forward_fn
+        if output_key is not None and (isinstance(output_key, bool) or not isinstance(output_key, (int, str))):
+            raise TypeError(f"JacobianMonitor(output_key=...): expected None, an int (index) or a str (key or "
+                            f"attribute of the output, e.g. 'logits'), got {output_key!r}.")
+        self.output_key = output_key
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (0 <= tol < math.inf):
             raise ValueError(f"JacobianMonitor(tol=...): expected a finite number >= 0, got {tol!r}.")
         self.tol = float(tol)
@@ -209,7 +218,8 @@ class JacobianMonitor(Callback):
         forward_fn = self.forward_fn
 
         def model(z: torch.Tensor) -> torch.Tensor:
-            return forward_fn(pl_module, z) if forward_fn is not None else pl_module(z)
+            out = forward_fn(pl_module, z) if forward_fn is not None else pl_module(z)
+            return out if self.output_key is None else select_output(out, self.output_key, "JacobianMonitor")
 
         modes = {m: m.training for m in pl_module.modules()}
         pl_module.eval()

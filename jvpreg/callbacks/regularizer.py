@@ -25,9 +25,12 @@ flattening/sharding conflicts with swapping parameters and packing the batch.
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
+import hashlib
 import math
+import warnings
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -40,6 +43,7 @@ from ..losses.base import (JVPPenalty, Stack, Term, as_terms, check_choice, chec
 from ..losses.constraints import TRANSFORMS, JVPConstraint, TangentProp
 from ..losses.jacobian import JacobianFrobenius, JacobianSpectralNorm
 from ..losses.sensitivity import ParameterSensitivity
+from ..clone import JVPFallbackWarning
 from .shared import SharedForward
 
 __all__ = [
@@ -62,7 +66,7 @@ class _Coordinator:
         self.callbacks: List["JVPRegularizer"] = []
         self.forwards: Dict[str, SharedForward] = {}
         self._saved: Dict[str, Any] = {}
-        self._val_penalty = JacobianFrobenius(name="jacobian_fro", seed=0)  # leaves the global RNG alone
+        self._val_penalties: Dict[Any, JacobianFrobenius] = {}  # by output_key; seeded: leave the global RNG alone
 
     # -- registration -----------------------------------------------------------------------
     def attach(self, cb: "JVPRegularizer") -> None:
@@ -83,6 +87,11 @@ class _Coordinator:
             raise ValueError(f"{type(cb).__name__}(name={cb.name!r}): regularizers of module={cb.module!r} must "
                              f"agree on the input: got input_index={cb.input_index}, input_key={cb.input_key!r} "
                              f"and input_index={sf.input_index}, input_key={sf.input_key!r}.")
+        taken = {c.log_name for c in self.callbacks}
+        cb.log_name, n = cb.name, 1
+        while cb.log_name in taken:  # two regularizers with one name: log them apart
+            n += 1
+            cb.log_name = f"{cb.name}_{n}"
         self.callbacks.append(cb)
         if len(self.callbacks) == 1:
             self._wrap("training_step", self._training_step)
@@ -136,7 +145,9 @@ class _Coordinator:
                 targets.extend([y] * len(cb.terms))
             self.forwards[path].arm(terms, targets)
         try:
-            out = orig(*args, **kwargs)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_LOSS_FALLBACK, category=JVPFallbackWarning)
+                out = orig(*args, **kwargs)
             if out is None:  # the user skipped this batch
                 return out
             missing = [p for p in groups if not self.forwards[p].fired]
@@ -160,7 +171,11 @@ class _Coordinator:
                     cb._record(pl_module, value, w, sf.batch_size)
                     term = value * w
                     total = term if total is None else total + term
-            return _add_to_loss(out, total)
+            out = _add_to_loss(out, total)
+            loss = out if isinstance(out, torch.Tensor) else out["loss"]
+            pl_module.log("train/total_loss", loss.detach().float(), on_step=True, on_epoch=False,
+                          prog_bar=any(cb.prog_bar for cb in self.callbacks), batch_size=sf.batch_size)
+            return out
         finally:
             for path in groups:
                 self.forwards[path].disarm()
@@ -170,7 +185,11 @@ class _Coordinator:
         if cb is None:
             return orig(*args, **kwargs)
         sf = self.forwards[cb.module or ""]
-        sf.arm([(self._val_penalty, 1.0, 1.0)])
+        pen = self._val_penalties.get(cb.output_key)
+        if pen is None:
+            pen = self._val_penalties[cb.output_key] = JacobianFrobenius(name="jacobian_fro", seed=0,
+                                                                        output_key=cb.output_key)
+        sf.arm([(pen, 1.0, 1.0)])
         try:
             out = orig(*args, **kwargs)
             if sf.values is not None:
@@ -183,6 +202,13 @@ class _Coordinator:
 
 
 _COORDINATORS: "weakref.WeakKeyDictionary[LightningModule, _Coordinator]" = weakref.WeakKeyDictionary()
+
+
+#: Fallback warnings of loss functions computed *inside* a cloned forward (Hugging Face models given
+#: ``labels=``): the exact fallback of a scalar loss at the end of the graph costs next to nothing, and
+#: its JVP is not used, so the callbacks silence them (other fallbacks still warn).
+_LOSS_FALLBACK = (r"jvpreg: no clone rule for torch\.(_C\._nn\.)?(cross_entropy_loss|nll_loss\w*|binary_cross_entropy\w*|"
+                  r"mse_loss|l1_loss|smooth_l1_loss|huber_loss|kl_div)\b")
 
 
 def _add_to_loss(out: Any, penalty: torch.Tensor) -> Any:
@@ -210,6 +236,52 @@ def _resolve(pl_module: LightningModule, path: Optional[str], where: str) -> tor
                          f"Its submodules: {shown or '(none)'}.") from None
 
 
+def _with_output_key(penalty: Union[JVPPenalty, Stack], key: Any, where: str) -> Union[JVPPenalty, Stack]:
+    """``penalty`` scoring the output ``key``: itself when its members already do, else a copy (never mutated)."""
+    if key is None:
+        return penalty
+    members = [p for p, _, _ in as_terms(penalty, where)]
+    for p in members:
+        if p.output_key is not None and p.output_key != key:
+            raise ValueError(f"{where}: output_key={key!r} conflicts with {type(p).__name__}(output_key="
+                             f"{p.output_key!r}); set it in one place.")
+    if all(p.output_key == key for p in members):
+        return penalty
+    penalty = copy.deepcopy(penalty)
+    for p, _, _ in as_terms(penalty, where):
+        p.output_key = key
+    return penalty
+
+
+def _describe(value: Any) -> str:
+    """A description of a constructor argument that is equal across processes (for :func:`_fingerprint`)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_describe(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))) + "}"
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous().flatten().view(torch.uint8)
+        return f"tensor{tuple(value.shape)}{value.dtype}:{hashlib.sha1(data.numpy().tobytes()).hexdigest()[:12]}"
+    if isinstance(value, JVPPenalty):
+        public = {k: v for k, v in vars(value).items() if not k.startswith("_") and k != "training"}
+        return f"{type(value).__name__}({_describe(public)})"
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    return type(value).__qualname__
+
+
+_NOT_FINGERPRINTED = ("penalty", "terms", "steps_applied", "last_value", "log_name")
+
+
+def _fingerprint(cb: "JVPRegularizer") -> str:
+    """Short digest of a regularizer's whole configuration: its penalties and every option."""
+    options = {k: v for k, v in vars(cb).items() if not k.startswith("_") and k not in _NOT_FINGERPRINTED}
+    text = _describe([type(cb).__name__, [(p, w, f) for p, w, f in cb.terms], options])
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
 # --------------------------------------------------------------------------- the callback
 
 
@@ -219,7 +291,13 @@ class JVPRegularizer(Callback):
     The module's own forward inside ``training_step`` runs once on the concatenated batch
     ``[x; x + s u_1; ...]``: ``training_step`` sees the plain ``f(x)`` and the returned loss becomes
     ``loss + weight(t) * penalty`` (see the module docstring). Several regularizers on one Trainer
-    share ONE forward. Logs ``train/<name>`` (the unweighted penalty) and ``train/<name>_weight``.
+    share ONE forward. Logs ``train/<name>`` (the unweighted penalty), ``train/<name>_weight`` and
+    ``train/total_loss`` (the loss returned to Lightning, penalties included).
+
+    Models with structured inputs and outputs (Hugging Face, dict batches) need two names: the
+    forward argument that gets the clone batch (``input_key``) and the output tensor that is scored
+    (``output_key``). A model that computes its loss inside ``forward`` (Hugging Face with ``labels=``)
+    works as is: the loss is computed on the primal rows.
 
     Weight schedules, with ``t = trainer.global_step``: ``constant``: ``w``; ``linear_warmup``:
     ``w * min(1, (t + 1) / warmup_steps)``; ``cosine``: linear warm-up over ``warmup_steps``, then
@@ -240,14 +318,22 @@ class JVPRegularizer(Callback):
         module: attribute path of the submodule whose forward gets the concatenated batch (e.g.
             ``"net"`` or ``"backbone.encoder"``); ``None``: the LightningModule itself.
         input_index: position of the input among the module's forward arguments.
-        input_key: keyword name of the input, or its key in a dict passed at ``input_index``.
+        input_key: name of the input argument of the module's forward (passed by keyword or by
+            position, e.g. ``"pixel_values"``, ``"inputs_embeds"``), or its key in a dict passed at
+            ``input_index``. Checked at the first regularized call; errors list the float inputs found.
+        output_key: the tensor to regularize when the module returns a tuple, dict or object: an index,
+            a key, or an attribute name (``"logits"`` of a Hugging Face ``ModelOutput``). The penalty
+            scores that tensor; ``training_step`` still receives the whole output. Sets the penalty's
+            ``output_key`` (a copy of ``penalty`` is used when its own ``output_key`` is unset).
         target_index: position of the targets in a tuple/list batch (passed to direction functions
             as ``y``); ``None``: no targets.
         target_key: key of the targets in a dict batch.
-        name: log and state name (default: the penalty's name); must be distinct per callback, as it
-            makes the ``state_key`` (Lightning rejects two callbacks with one ``state_key``).
+        name: log name (default: the penalty's name). Two regularizers with one name on a Trainer log
+            as ``<name>`` and ``<name>_2``; their ``state_key`` differs whenever their arguments do.
         log_val_jacobian: at validation, log ``val/jacobian_fro``, a one-projection estimate of
             ``sqrt(mean_b ||J_f(x_b)||_F²)`` on each validation batch (one extra block in the val forward).
+        prog_bar: show ``train/<name>`` and ``train/total_loss`` (task loss + weighted penalties) on the
+            progress bar (they are logged either way).
         engine: how the clone forward runs (see :func:`jvpreg.jvp`): ``"auto"`` replays a program
             captured once per input signature (compiled when the network is ``torch.compile``-d),
             ``"eager"`` forces op-by-op clone mode; regularizers of one module must agree.
@@ -257,6 +343,8 @@ class JVPRegularizer(Callback):
         ValueError: out-of-range values or unknown schedule; at ``setup``, an unknown ``module``.
         NotImplementedError: at ``setup``, manual optimization or a sharded strategy (FSDP, DeepSpeed).
         RuntimeError: in a step, the regularized module was not called by ``training_step``.
+        ValueError, TypeError: in a step, ``input_key``/``input_index`` select no float input, or
+            ``output_key`` selects no tensor (the messages list the names available).
 
     Example::
 
@@ -264,19 +352,24 @@ class JVPRegularizer(Callback):
         ...                      warmup_steps=500, module="net")
         >>> trainer = Trainer(max_epochs=5, callbacks=[reg])
         >>> trainer.fit(MyLightningModule(), datamodule)          # no change to MyLightningModule
+        >>> hf = JacobianRegularizer(0.01, module="model", input_key="pixel_values", output_key="logits")
     """
 
     def __init__(self, penalty: Union[JVPPenalty, Stack], weight: float, *, schedule: str = "constant",
                  warmup_steps: int = 0, total_steps: Optional[int] = None, final_weight: float = 0.0,
                  every_n_steps: int = 1, batch_fraction: float = 1.0, module: Optional[str] = None,
-                 input_index: int = 0, input_key: Optional[str] = None, target_index: Optional[int] = 1,
-                 target_key: Optional[str] = None, name: Optional[str] = None, log_val_jacobian: bool = False,
-                 engine: str = "auto"):
+                 input_index: int = 0, input_key: Optional[str] = None, output_key: Union[int, str, None] = None,
+                 target_index: Optional[int] = 1, target_key: Optional[str] = None, name: Optional[str] = None,
+                 log_val_jacobian: bool = False, prog_bar: bool = True, engine: str = "auto"):
         where = f"{type(self).__name__}(...)"
         if not isinstance(penalty, (JVPPenalty, Stack)):
             raise TypeError(f"{where}: expected penalty to be a jvpreg.losses.JVPPenalty or Stack, "
                             f"got {type(penalty).__name__}.")
-        self.penalty = penalty
+        if output_key is not None and (isinstance(output_key, bool) or not isinstance(output_key, (int, str))):
+            raise TypeError(f"{where}: expected output_key to be None, an int (index) or a str (key or attribute "
+                            f"of the output, e.g. 'logits'), got {output_key!r}.")
+        self.output_key = output_key
+        self.penalty = _with_output_key(penalty, output_key, where)
         self.weight = check_float(where, "weight", weight, low=0.0)
         self.schedule = check_choice(where, "schedule", schedule, SCHEDULES)
         self.warmup_steps = check_int(where, "warmup_steps", warmup_steps, 0)
@@ -304,18 +397,24 @@ class JVPRegularizer(Callback):
         if name is not None and (not isinstance(name, str) or not name):
             raise TypeError(f"{where}: expected name to be None or a non-empty str, got {name!r}.")
         self.name = name or (penalty.name if isinstance(penalty, JVPPenalty) else "jvp_penalty")
-        if not isinstance(log_val_jacobian, bool):
-            raise TypeError(f"{where}: expected log_val_jacobian to be a bool, got {log_val_jacobian!r}.")
+        for arg, val in (("log_val_jacobian", log_val_jacobian), ("prog_bar", prog_bar)):
+            if not isinstance(val, bool):
+                raise TypeError(f"{where}: expected {arg} to be a bool, got {val!r}.")
         self.log_val_jacobian = log_val_jacobian
+        self.prog_bar = prog_bar
         self.engine = check_choice(where, "engine", engine, ENGINES)
-        self.terms: List[Term] = [(p, w, min(f, self.batch_fraction)) for p, w, f in as_terms(penalty, where)]
+        self.log_name = self.name  # made distinct from other regularizers' at on_fit_start
+        self.terms: List[Term] = [(p, w, min(f, self.batch_fraction)) for p, w, f in as_terms(self.penalty, where)]
         self.steps_applied = 0
         self.last_value: Optional[float] = None
         self._total_steps: Optional[int] = total_steps
+        self._state_key = self._generate_state_key(name=self.name, config=_fingerprint(self))
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(name=self.name)
+        """``<Class>{'name': ..., 'config': <digest of every argument>}``: distinct for two callbacks of one
+        class unless they are configured identically, and equal across processes for one configuration."""
+        return self._state_key
 
     # -- schedule ---------------------------------------------------------------------------
     def weight_at(self, step: int) -> float:
@@ -350,8 +449,10 @@ class JVPRegularizer(Callback):
         self.steps_applied += 1
         v = value.detach()
         self.last_value = float(v)
-        pl_module.log(f"train/{self.name}", v.float(), on_step=True, on_epoch=False, batch_size=batch_size)
-        pl_module.log(f"train/{self.name}_weight", float(weight), on_step=True, on_epoch=False, batch_size=batch_size)
+        pl_module.log(f"train/{self.log_name}", v.float(), on_step=True, on_epoch=False, prog_bar=self.prog_bar,
+                      batch_size=batch_size)
+        pl_module.log(f"train/{self.log_name}_weight", float(weight), on_step=True, on_epoch=False,
+                      batch_size=batch_size)
 
     # -- Lightning hooks --------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -423,7 +524,7 @@ class JacobianRegularizer(JVPRegularizer):
 
     def __init__(self, weight: float, n_projections: int = 1, distribution: str = "gaussian",
                  normalize: Optional[str] = None, *, seed: Optional[int] = None, **kwargs: Any):
-        pen = JacobianFrobenius(n_projections, distribution, normalize, seed=seed)
+        pen = JacobianFrobenius(n_projections, distribution, normalize, seed=seed, output_key=kwargs.get("output_key"))
         super().__init__(pen, weight, **kwargs)
 
 
@@ -442,7 +543,7 @@ class TangentPropRegularizer(JVPRegularizer):
 
     def __init__(self, weight: float, transforms: Union[str, Sequence[str]] = TRANSFORMS, gradient: str = "central",
                  **kwargs: Any):
-        super().__init__(TangentProp(transforms, gradient), weight, **kwargs)
+        super().__init__(TangentProp(transforms, gradient, output_key=kwargs.get("output_key")), weight, **kwargs)
 
 
 class ConstraintRegularizer(JVPRegularizer):
@@ -465,7 +566,8 @@ class ConstraintRegularizer(JVPRegularizer):
 
     def __init__(self, direction: Any, weight: float, kind: str = "zero", target: Any = None,
                  lipschitz: Optional[float] = None, *, margin: float = 0.0, power: float = 1.0, **kwargs: Any):
-        pen = JVPConstraint(direction, kind, target, lipschitz, margin=margin, power=power)
+        pen = JVPConstraint(direction, kind, target, lipschitz, margin=margin, power=power,
+                            output_key=kwargs.get("output_key"))
         super().__init__(pen, weight, **kwargs)
 
 
@@ -485,7 +587,8 @@ class ParameterSensitivityRegularizer(JVPRegularizer):
 
     def __init__(self, weight: float, params: Union[str, Sequence[str]] = ("*conv*weight",), n_projections: int = 1,
                  relative: bool = True, distribution: str = "gaussian", *, seed: Optional[int] = None, **kwargs: Any):
-        pen = ParameterSensitivity(params, n_projections, relative, distribution, seed=seed)
+        pen = ParameterSensitivity(params, n_projections, relative, distribution, seed=seed,
+                                   output_key=kwargs.get("output_key"))
         super().__init__(pen, weight, **kwargs)
 
 
@@ -507,4 +610,4 @@ class SpectralRegularizer(JVPRegularizer):
     """
 
     def __init__(self, weight: float, n_iter: int = 1, *, seed: Optional[int] = None, **kwargs: Any):
-        super().__init__(JacobianSpectralNorm(n_iter, seed=seed), weight, **kwargs)
+        super().__init__(JacobianSpectralNorm(n_iter, seed=seed, output_key=kwargs.get("output_key")), weight, **kwargs)

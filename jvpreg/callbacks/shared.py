@@ -10,6 +10,7 @@ callbacks arm it around ``training_step``; the training benchmark uses it around
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +20,49 @@ from ..clone import capture
 from ..losses.base import Plan, Term, prepare
 
 __all__ = ["SharedForward"]
+
+
+def _is_float(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _names(mapping: Mapping, floats: bool = False) -> str:
+    keys = [k for k, v in mapping.items() if not floats or _is_float(v)]
+    return ", ".join(repr(k) for k in keys) or "none"
+
+
+def _params(module: nn.Module) -> List[inspect.Parameter]:
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature
+        return []
+
+
+def _signature(module: nn.Module) -> str:
+    try:
+        return str(inspect.signature(module.forward))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _positional_index(module: nn.Module, name: str) -> Optional[int]:
+    """Position of the forward argument ``name`` when it can be passed positionally, else ``None``."""
+    pos = 0
+    for p in _params(module):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        if p.name == name:
+            return pos
+        pos += 1
+    return None
+
+
+def _float_names(args: tuple, kwargs: dict, module: nn.Module) -> str:
+    """The forward arguments of this call that hold float tensors, by name."""
+    names = [p.name for p in _params(module) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    found = [repr(n) for n, v in zip(names, args) if _is_float(v)]
+    found += [repr(k) for k, v in kwargs.items() if _is_float(v)]
+    return ", ".join(found) or "none: regularize a submodule that receives float features (module=...)"
 
 
 class SharedForward:
@@ -77,10 +121,13 @@ class SharedForward:
         self._own_forward = self.module.__dict__.get("forward")  # an instance-level forward set by the user
         self._orig_forward = orig
 
+        target = capture.unwrap_compiled(self.module)  # a compiled module clones its original code
+        fn = orig if target is self.module else target.forward
+
         def forward(*args, **kwargs):
             if self._plan is None or self._depth:
                 return orig(*args, **kwargs)
-            return capture.call(self.module, args, kwargs, engine=self.engine, fn=orig)
+            return capture.call(target, args, kwargs, engine=self.engine, fn=fn)
 
         self.module.forward = forward
 
@@ -118,20 +165,47 @@ class SharedForward:
     def _locate(self, args: tuple, kwargs: dict) -> Tuple[Any, Any]:
         """``(x, put)`` where ``put(z)`` returns ``(args, kwargs)`` with the input replaced by ``z``."""
         key, idx = self.input_key, self.input_index
-        if key is not None and key in kwargs:
-            return kwargs[key], lambda z: (args, {**kwargs, key: z})
+        forward = f"{type(self.module).__name__}.forward"
+        if key is not None:
+            if key in kwargs:
+                return kwargs[key], lambda z: (args, {**kwargs, key: z})
+            if idx < len(args) and isinstance(args[idx], Mapping):
+                value = args[idx]
+                if key not in value:
+                    raise ValueError(f"JVPRegularizer: input_key={key!r} is not a key of the dict passed to {forward} "
+                                     f"at input_index={idx}; its keys: {_names(value)}. Set input_key to one of them.")
+                return value[key], lambda z: (args[:idx] + ({**value, key: z},) + args[idx + 1:], kwargs)
+            pos = _positional_index(self.module, key)
+            if pos is not None and pos < len(args):
+                return args[pos], lambda z: (args[:pos] + (z,) + args[pos + 1:], kwargs)
+            raise ValueError(f"JVPRegularizer: input_key={key!r} selects nothing in this call of {forward}"
+                             f"{_signature(self.module)}: it received {len(args)} positional argument(s) and the "
+                             f"keyword(s) {sorted(kwargs)}. Set input_key to the name of the float input "
+                             f"argument (one of {_float_names(args, kwargs, self.module)}).")
         if idx < len(args):
             value = args[idx]
-            if isinstance(value, Mapping) and key is not None:
-                if key not in value:
-                    raise ValueError(f"JVPRegularizer: input_key={key!r} is not a key of the dict passed to "
-                                   f"{type(self.module).__name__}.forward (keys: {list(value)}).")
-                return value[key], lambda z: (args[:idx] + ({**value, key: z},) + args[idx + 1:], kwargs)
+            if isinstance(value, Mapping):
+                raise TypeError(f"JVPRegularizer: {forward} received a {type(value).__name__} at input_index={idx}; "
+                                f"pass input_key=<the key of the input to regularize> (float tensors in it: "
+                                f"{_names(value, floats=True)}).")
             return value, lambda z: (args[:idx] + (z,) + args[idx + 1:], kwargs)
-        raise ValueError(f"JVPRegularizer: {type(self.module).__name__}.forward got {len(args)} positional "
-                         f"argument(s) and keyword(s) {sorted(kwargs)}; input_index={idx}"
-                         + (f", input_key={key!r}" if key is not None else "")
-                         + " does not select the input. Set input_index/input_key to the argument to regularize.")
+        raise ValueError(f"JVPRegularizer: {forward} got {len(args)} positional "
+                         f"argument(s) and keyword(s) {sorted(kwargs)}; input_index={idx} does not select the input. "
+                         f"Set input_key to the keyword of the input (one of {_float_names(args, kwargs, self.module)})"
+                         " or input_index to its position.")
+
+    def _reject(self, x: Any, args: tuple, kwargs: dict) -> None:
+        what = (f"input_key={self.input_key!r}" if self.input_key is not None else f"input_index={self.input_index}")
+        got = (f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor)
+               else f"a {type(x).__name__}")
+        hint = ""
+        if isinstance(x, torch.Tensor) and not x.is_floating_point():
+            hint = (" Integer inputs (token ids, labels) have no JVP: feed embeddings instead (a Hugging Face "
+                    "model takes inputs_embeds=model.get_input_embeddings()(input_ids); then input_key='inputs_embeds'"
+                    "), or regularize a submodule that receives float features (module=...).")
+        raise TypeError(f"JVPRegularizer: {what} selects {got} in the call of {type(self.module).__name__}.forward; "
+                        "clone mode needs a floating-point tensor with a batch dim. Float inputs of this call: "
+                        f"{_float_names(args, kwargs, self.module)}.{hint}")
 
     def _bypass(self, args: tuple, kwargs: dict) -> Any:
         self._busy = True
@@ -150,6 +224,8 @@ class SharedForward:
             return None
         self.fired = True
         x, put = self._locate(args, kwargs)
+        if not _is_float(x) or x.dim() == 0:
+            self._reject(x, args, kwargs)
 
         def forward(z):
             a, k = put(z)

@@ -102,20 +102,39 @@ def snake_name(cls_name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", cls_name).lower()
 
 
+def _output_keys(tree: Any) -> str:
+    """The keys / indices / attributes of a model output that hold tensors, for error messages."""
+    if isinstance(tree, Mapping):  # dicts and Hugging Face ModelOutput
+        keys = [k for k, v in tree.items() if isinstance(v, torch.Tensor)]
+    elif isinstance(tree, (tuple, list)):
+        keys = [i for i, v in enumerate(tree) if isinstance(v, torch.Tensor)]
+    else:
+        keys = [k for k, v in vars(tree).items() if isinstance(v, torch.Tensor)] if hasattr(tree, "__dict__") else []
+    return ", ".join(repr(k) for k in keys) or "none"
+
+
 def select_output(tree: Any, key: Any, where: str) -> torch.Tensor:
-    """The tensor of a model output that a penalty scores (``key`` indexes a tuple/list/dict output)."""
+    """The tensor of a model output that a penalty scores.
+
+    ``key`` is an index of a tuple/list output, a key of a dict output (Hugging Face ``ModelOutput``
+    included) or the name of an attribute of the output object.
+    """
     if key is None:
         if not isinstance(tree, torch.Tensor):
-            raise TypeError(f"{where}: the model returned a {type(tree).__name__}; pass output_key=<index or key> "
-                            "to choose the tensor to regularize.")
+            raise TypeError(f"{where}: the model returned a {type(tree).__name__}; pass output_key=<index, key or "
+                            f"attribute> to choose the tensor to regularize (tensors in it: {_output_keys(tree)}), "
+                            "e.g. JacobianRegularizer(..., output_key='logits').")
         return tree
     try:
         out = tree[key]
     except (KeyError, IndexError, TypeError) as err:
-        raise ValueError(f"{where}: output_key={key!r} does not select an output of the model "
-                         f"(got a {type(tree).__name__}).") from err
+        if not (isinstance(key, str) and hasattr(tree, key)):
+            raise ValueError(f"{where}: output_key={key!r} does not select an output of the model (got a "
+                             f"{type(tree).__name__}; tensors in it: {_output_keys(tree)}).") from err
+        out = getattr(tree, key)
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{where}: output_key={key!r} selects a {type(out).__name__}, expected a tensor.")
+        raise TypeError(f"{where}: output_key={key!r} selects a {type(out).__name__}, expected a tensor "
+                        f"(tensors in the output: {_output_keys(tree)}).")
     return out
 
 

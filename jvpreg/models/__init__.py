@@ -1,6 +1,7 @@
 """Networks benchmarked by jvpreg and a name-based registry to build them.
 
-Only depends on torch/torchvision.
+Only depends on torch/torchvision; :func:`build_timm` and :func:`build_hf` (timm and Hugging Face
+models, optional extras) import their package when called.
 """
 
 from jvpreg.models.registry import (
@@ -11,6 +12,7 @@ from jvpreg.models.registry import (
     register_model,
     replace_first_conv,
 )
+from jvpreg.models.external import HFImageClassifier, build_hf, build_timm
 from jvpreg.models.rnn import RowRNN
 from jvpreg.models.small import MLP, LeNet5, SmallCNN
 from jvpreg.models.unet import UNet
@@ -23,7 +25,10 @@ __all__ = [
     "RowRNN",
     "SmallCNN",
     "UNet",
+    "HFImageClassifier",
+    "build_hf",
     "build_model",
+    "build_timm",
     "list_models",
     "register_model",
     "replace_first_conv",
