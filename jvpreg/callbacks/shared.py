@@ -10,6 +10,8 @@ callbacks arm it around ``training_step``; the training benchmark uses it around
 """
 from __future__ import annotations
 
+import functools
+
 import inspect
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
@@ -124,6 +126,7 @@ class SharedForward:
         target = capture.unwrap_compiled(self.module)  # a compiled module clones its original code
         fn = orig if target is self.module else target.forward
 
+        @functools.wraps(orig)  # keeps the forward's signature visible (input_key checks)
         def forward(*args, **kwargs):
             if self._plan is None or self._depth:
                 return orig(*args, **kwargs)
