@@ -1,0 +1,148 @@
+"""Parameter clones under FSDP2 (``fully_shard``): swap the *unsharded* weight, inside the forward.
+
+A weight-space direction ``U`` replaces a parameter ``W`` by the clone ``[W; W + s U_1; ...]`` for one
+forward (DESIGN.md §1, "swapped layer weight"). Under FSDP2 a managed parameter is a sharded
+``DTensor`` between forwards: the pre-forward hook of the ``fully_shard``-ed module that manages it
+all-gathers the group and registers the unsharded tensors on the submodules, its post-forward hook
+registers the shards again. So the clone is built from the unsharded ``W`` after FSDP's pre-forward
+(FSDP prepends its pre-hook; ours is appended) and removed before its post-forward (ours is
+prepended). Its gradient reaches the unsharded ``W``, which FSDP reduce-scatters as for any use of
+``W``; the one all-gather of the group serves every block. The clone is kept for backward like any
+activation: ``(k + 1)`` times the perturbed weights' size.
+
+The scale ``s`` is chosen before the forward, from the local shard of ``W`` and the matching rows of
+``U`` (no collective). It only sets rounding (api module docstring), never the JVP's value.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..clone import api as _api
+from ..clone.tensor import is_clone, wrap as _wrap
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover - older torch
+    DTensor, Shard = (), ()
+try:  # torch >= 2.6; older FSDP2 lived in torch.distributed._composable.fsdp
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover
+    try:
+        from torch.distributed._composable.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = ()
+
+__all__ = ["is_sharded", "managing_module", "scale_pair", "swapped_unsharded"]
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """True for a ``DTensor`` parameter (sharded by FSDP2 or another ``torch.distributed.tensor`` plan)."""
+    return bool(DTensor) and isinstance(p, DTensor)
+
+
+def managing_module(model: nn.Module, name: str) -> Optional[Tuple[str, nn.Module]]:
+    """``(path, module)`` of the ``fully_shard``-ed module that manages parameter ``name``, else ``None``.
+
+    ``fully_shard`` of a module takes the parameters its ``fully_shard``-ed descendants have not taken,
+    so the manager is the longest prefix of ``name`` whose module is an ``FSDPModule``.
+    """
+    parts = name.split(".")[:-1]
+    for n in range(len(parts), -1, -1):
+        path = ".".join(parts[:n])
+        mod = model.get_submodule(path)
+        if FSDPModule and isinstance(mod, FSDPModule):
+            return path, mod
+    return None
+
+
+def scale_pair(p: torch.Tensor, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(value, directions)`` standing for ``(p, u)`` in the scale choice: a sharded ``p``'s local shard
+    with the rows of ``u`` (``(k, *p.shape)``) that shard covers (FSDP2's ``Shard(d)``: ``torch.chunk``)."""
+    if not is_sharded(p):
+        return p, u
+    local = p.to_local()
+    k = u.shape[0]
+    mesh, placements = p.device_mesh, p.placements
+    if mesh.ndim == 1 and isinstance(placements[0], Shard):
+        chunks = u.chunk(mesh.size(), dim=placements[0].dim + 1)
+        rank = mesh.get_local_rank()
+        if rank < len(chunks) and tuple(chunks[rank].shape[1:]) == tuple(local.shape):
+            return local, chunks[rank]
+    flat = u.reshape(k, -1)[:, : local.numel()]  # other layouts: a same-size sample of u's entries
+    return local.reshape(-1)[: flat.shape[1]], flat
+
+
+@contextlib.contextmanager
+def swapped_unsharded(model: nn.Module, directions: Dict[str, torch.Tensor], scales: torch.Tensor,
+                      where: str = "jvpreg.losses") -> Iterator[None]:
+    """Context in which every forward of ``model`` sees ``[W; W + s_1 U_1; ...]`` for the sharded ``W``
+    named in ``directions`` (``{name: (k, *W.shape)}``), built from the unsharded ``W`` of each call.
+
+    Raises:
+        NotImplementedError: a ``DTensor`` parameter that no ``fully_shard``-ed module manages.
+        RuntimeError: on exit, a managing module that was never called (its weights stayed unperturbed).
+    """
+    groups: Dict[str, Tuple[nn.Module, List[Tuple[nn.Module, str, torch.Tensor]]]] = {}
+    for name, u in directions.items():
+        found = managing_module(model, name)
+        if found is None:
+            raise NotImplementedError(
+                f"{where}: parameter {name!r} is a DTensor that no fully_shard-ed module manages (tensor or "
+                "other model parallelism); weight-space directions are only implemented for plain parameters "
+                "and FSDP2 (fully_shard). Regularize input directions only, or leave this parameter out.")
+        path, manager = found
+        owner_path, _, leaf = name.rpartition(".")
+        groups.setdefault(path, (manager, []))[1].append((model.get_submodule(owner_path), leaf, u))
+
+    handles: list = []
+    saved: Dict[str, list] = {path: [] for path in groups}
+    clones: Dict[int, torch.Tensor] = {}  # id(unsharded W) -> its clone, one per context
+    called = set()
+
+    def swap(path: str) -> None:
+        manager, items = groups[path]
+        replace = {}
+        for owner, leaf, u in items:
+            w = owner._parameters[leaf]
+            if is_clone(w):
+                continue  # swapped already (nested call)
+            if is_sharded(w):
+                raise RuntimeError(f"{where}: expected FSDP to have unsharded {leaf!r} of "
+                                   f"{type(owner).__name__} before the forward of {type(manager).__name__}.")
+            if id(w) not in clones:
+                clones[id(w)] = _wrap(_api._blocks(w, u.to(device=w.device, dtype=w.dtype), scales))
+            replace[id(w)] = clones[id(w)]
+        for sub in manager.modules():  # tied uses included
+            for attr, value in sub._parameters.items():
+                if value is not None and id(value) in replace:
+                    saved[path].append((sub._parameters, attr, value))
+                    sub._parameters[attr] = replace[id(value)]
+        called.add(path)
+
+    def restore(path: str) -> None:
+        while saved[path]:
+            store, attr, value = saved[path].pop()
+            store[attr] = value
+
+    for path, (manager, items) in groups.items():
+        handles.append(manager.register_forward_pre_hook(lambda m, a, k, path=path: swap(path), with_kwargs=True))
+        handles.append(manager.register_forward_hook(lambda m, a, o, path=path: restore(path), prepend=True,
+                                                     always_call=True))
+        if not any(is_sharded(owner._parameters[leaf]) for owner, leaf, _ in items):
+            swap(path)  # unsharded already: entered from a hook that runs after FSDP's pre-forward
+    try:
+        yield
+    finally:
+        for path in groups:
+            restore(path)
+        for h in handles:
+            h.remove()
+    missed = sorted(p or "<root>" for p in groups if p not in called)
+    if missed:
+        raise RuntimeError(f"{where}: the fully_shard-ed module(s) {', '.join(missed)} managing the perturbed "
+                           "parameters were not called during the forward, so their weight directions were not "
+                           "applied. Call those modules (not their parameters) in forward.")

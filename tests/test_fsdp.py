@@ -1,0 +1,193 @@
+"""FSDP2 (``fully_shard``) on CPU: 2 gloo processes, float64, against the unsharded network under DDP.
+
+Each rank feeds its own rows to a sharded copy and to an unsharded copy of one network. The sharded
+run's outputs, penalties, JVPs, running statistics and (all-gathered) parameter gradients must equal
+the unsharded run's, whose gradients are averaged over the ranks as DDP averages them (≤ 1e-10 in
+float64). JVPs are also checked against ``torch.func.jvp`` in eval mode. One spawn runs every case
+(process start-up dominates the cost); a failing assertion on a rank fails the test with its message.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
+    pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import jvpreg
+from jvpreg.losses import (JacobianFrobenius, JacobianSpectralNorm, JVPConstraint, ParameterSensitivity,
+                           Stack, TangentProp, regularized_forward)
+
+WORLD = 2
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- networks and shardings
+
+
+def conv_bn() -> nn.Module:
+    """Train-mode BatchNorm inside a nested-sharded block."""
+    return nn.Sequential(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()),
+                         nn.Flatten(), nn.Linear(64, 3))
+
+
+def transformer() -> nn.Module:
+    """A pre-norm transformer encoder block (attention, LayerNorm, GELU) between two linear maps."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, activation="gelu", batch_first=True,
+                                       norm_first=True)
+    return nn.Sequential(nn.Linear(6, 16), layer, nn.Flatten(), nn.Linear(80, 3))
+
+
+NETS = {"conv_bn": (conv_bn, (8, 1, 4, 4)), "transformer": (transformer, (8, 5, 6))}
+# Weight directions: every weight of the conv net; the transformer's without its LayerNorms (the
+# engine's layer_norm rule mis-broadcasts a weight direction when the input also carries k >= 2
+# tangents of a 3-d input, with or without FSDP: left to the engine's owners).
+WEIGHTS = {"conv_bn": ("*weight",), "transformer": ("0.*", "1.self_attn.*", "1.linear*", "3.*")}
+
+
+def shard(net: nn.Module, **kw) -> nn.Module:
+    """``fully_shard`` every child with parameters (nested groups), then the root."""
+    for child in net.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, **kw)
+    fully_shard(net, **kw)
+    return net
+
+
+def penalties(net: str):
+    """``name -> factory`` of every penalty; seeded so that both copies draw the same directions."""
+    shape = NETS[net][1]
+    fixed = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)[: shape[0] // WORLD]
+    out = {
+        "jacobian_frobenius": lambda: JacobianFrobenius(2, seed=0),
+        "spectral": lambda: JacobianSpectralNorm(seed=0),
+        "constraint": lambda: JVPConstraint(fixed, "zero"),
+        "sensitivity": lambda: ParameterSensitivity(WEIGHTS[net], n_projections=2, seed=0),
+        "stack": lambda: Stack([JacobianFrobenius(seed=1), ParameterSensitivity(WEIGHTS[net], seed=2)],
+                               weights=[1.0, 0.5]),
+    }
+    if len(shape) == 4:
+        out["tangent_prop"] = lambda: TangentProp(("rotate", "scale"))
+    return out
+
+
+# --------------------------------------------------------------------------- process plumbing
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, port: int, worker: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    try:
+        globals()[worker](rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(worker: str, *args) -> None:
+    """Run ``worker(rank, *args)`` on 2 gloo processes; an exception on any rank fails the caller."""
+    mp.spawn(_entry, args=(_free_port(), worker, args), nprocs=WORLD, join=True)
+
+
+def _close(a, b, what: str, **tol) -> None:
+    torch.testing.assert_close(a, b, **(tol or TOL), msg=lambda m: f"rank {dist.get_rank()}, {what}: {m}")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _ddp_average(net: nn.Module) -> None:
+    for p in net.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= WORLD
+
+
+def _inputs(shape, rank: int, dtype=torch.float64) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    return x[rank::WORLD].contiguous()  # each rank its own rows
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _check_penalty(rank: int, net_name: str, pen_name: str) -> None:
+    build, shape = NETS[net_name]
+    torch.manual_seed(0)
+    net = build().double().train()
+    ref, sharded = copy.deepcopy(net), shard(copy.deepcopy(net))
+    x = _inputs(shape, rank)
+    make = penalties(net_name)[pen_name]
+    results = []
+    for model in (ref, sharded):
+        pen = make()
+        for step in range(2):  # the spectral vectors and the seeded generators move on between steps
+            model.zero_grad(set_to_none=True)
+            out, value = regularized_forward(model, x, pen)
+            (out.pow(2).mean() + value).backward()
+            if model is ref:
+                _ddp_average(ref)
+            results.append((out.detach(), value.detach(), {n: _full(p.grad).clone() for n, p in
+                                                            model.named_parameters() if p.grad is not None}))
+    where = f"{net_name}/{pen_name}"
+    for step, ((out_r, val_r, g_r), (out_s, val_s, g_s)) in enumerate(zip(results[:2], results[2:])):
+        _close(out_s, out_r, f"{where} step {step} output")
+        _close(val_s, val_r, f"{where} step {step} penalty")
+        assert g_s.keys() == g_r.keys(), f"{where}: gradients of {sorted(g_s)} vs {sorted(g_r)}"
+        for n in g_r:
+            _close(g_s[n], g_r[n], f"{where} step {step} grad {n}")
+    for (n, b_r), b_s in zip(ref.named_buffers(), sharded.buffers()):
+        _close(b_s, b_r, f"{where} buffer {n}")
+
+
+def _check_jvp(rank: int, net_name: str) -> None:
+    build, shape = NETS[net_name]
+    torch.manual_seed(0)
+    net = build().double()
+    ref, sharded = copy.deepcopy(net), shard(copy.deepcopy(net))
+    x = _inputs(shape, rank)
+    u = torch.randn((3, *x.shape), generator=torch.Generator().manual_seed(2 + rank), dtype=x.dtype)
+    for mode in ("eval", "train"):
+        ref.train(mode == "train")
+        sharded.train(mode == "train")
+        y_s, t_s = jvpreg.jvp(sharded, (x,), (u,), batched_tangents=True)
+        y_r, t_r = jvpreg.jvp(ref, (x,), (u,), batched_tangents=True)
+        _close(y_s, y_r, f"{net_name} {mode} jvp output")
+        _close(t_s, t_r, f"{net_name} {mode} jvp")
+        if mode == "eval":
+            for j in range(u.shape[0]):
+                with sdpa_kernel(SDPBackend.MATH):  # the fused CPU attention kernel has no forward AD
+                    _, t_f = torch.func.jvp(ref, (x,), (u[j],))
+                _close(t_s[j], t_f, f"{net_name} eval jvp vs torch.func, direction {j}")
+
+
+def worker_exact(rank: int) -> None:
+    for net_name in NETS:
+        _check_jvp(rank, net_name)
+        for pen_name in penalties(net_name):
+            _check_penalty(rank, net_name, pen_name)
+
+
+def test_fsdp2_penalties_and_jvps_match_unsharded_ddp():
+    """Every penalty, conv + train-mode BatchNorm and a transformer block, nested ``fully_shard``."""
+    spawn("worker_exact")
