@@ -8,10 +8,11 @@ float64). JVPs are also checked against ``torch.func.jvp`` in eval mode. One spa
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
-import socket
+import tempfile
 import warnings
 
 import pytest
@@ -86,15 +87,9 @@ def penalties(net: str):
 # --------------------------------------------------------------------------- process plumbing
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, port: int, worker: str, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+def _entry(rank: int, store: str, worker: str, args: tuple) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     try:
@@ -105,7 +100,8 @@ def _entry(rank: int, port: int, worker: str, args: tuple) -> None:
 
 def spawn(worker: str, *args) -> None:
     """Run ``worker(rank, *args)`` on 2 gloo processes; an exception on any rank fails the caller."""
-    mp.spawn(_entry, args=(_free_port(), worker, args), nprocs=WORLD, join=True)
+    with tempfile.TemporaryDirectory() as tmp:  # a file store: no port to race for
+        mp.spawn(_entry, args=(os.path.join(tmp, "store"), worker, args), nprocs=WORLD, join=True)
 
 
 def _close(a, b, what: str, **tol) -> None:
@@ -191,3 +187,102 @@ def worker_exact(rank: int) -> None:
 def test_fsdp2_penalties_and_jvps_match_unsharded_ddp():
     """Every penalty, conv + train-mode BatchNorm and a transformer block, nested ``fully_shard``."""
     spawn("worker_exact")
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+def worker_mixed_precision(rank: int) -> None:
+    """bf16 parameters, fp32 gradient reduction: equals a bf16 copy under DDP with fp32 averaging.
+
+    The transformer, not the BatchNorm net: PyTorch's CPU batch_norm refuses bf16 weights with the
+    fp32 running statistics that FSDP's parameter-only cast leaves (plain forward included)."""
+    build, shape = NETS["transformer"]
+    torch.manual_seed(0)
+    net = build().train()
+    ref = copy.deepcopy(net).to(torch.bfloat16)
+    sharded = shard(copy.deepcopy(net), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                       reduce_dtype=torch.float32))
+    x = _inputs(shape, rank, torch.float32).to(torch.bfloat16)
+    for make in (lambda: JacobianFrobenius(2, seed=0),
+                 lambda: ParameterSensitivity(WEIGHTS["transformer"], relative=False, seed=0)):
+        results = []
+        for model in (ref, sharded):
+            model.zero_grad(set_to_none=True)
+            out, value = regularized_forward(model, x, make())
+            (out.float().pow(2).mean() + value).backward()
+            grads = {n: _full(p.grad).float() for n, p in model.named_parameters()}
+            if model is ref:
+                for g in grads.values():
+                    dist.all_reduce(g)
+                    g /= WORLD
+            results.append((out, value, grads))
+        (out_r, val_r, g_r), (out_s, val_s, g_s) = results
+        what = type(make()).__name__
+        assert out_s.dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in g_s.values())
+        _close(out_s, out_r, f"bf16 {what} output", rtol=0, atol=0)
+        _close(val_s, val_r, f"bf16 {what} penalty", rtol=0, atol=0)
+        for n in g_r:
+            _close(g_s[n], g_r[n], f"bf16 {what} grad {n}", rtol=1e-6, atol=1e-7)
+
+
+def test_fsdp2_mixed_precision_bf16_params_fp32_reduce():
+    spawn("worker_mixed_precision")
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+COUNTED = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+           "all_reduce")
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """``{name: calls}`` of the ``torch.distributed`` collectives FSDP2 uses, while in the context."""
+    counts = {name: 0 for name in COUNTED if hasattr(dist, name)}
+    saved = {name: getattr(dist, name) for name in counts}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+        return call
+
+    for name in counts:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def worker_collectives(rank: int, report: str) -> None:
+    """One training step's collectives: plain vs one clone forward carrying 1 + 3 + 2 blocks."""
+    build, shape = NETS["transformer"]
+    torch.manual_seed(0)
+    net = shard(build().double().train())
+    x = _inputs(shape, rank)
+    reg = Stack([JacobianFrobenius(3, seed=0), ParameterSensitivity(WEIGHTS["transformer"], 2, relative=False)])
+    steps = {"plain": lambda: net(x).pow(2).mean(),
+             "regularized": lambda: (lambda o, p: o.pow(2).mean() + p)(*regularized_forward(net, x, reg))}
+    found = {}
+    for name, step in [("warm-up", steps["plain"])] + list(steps.items()):
+        net.zero_grad(set_to_none=True)
+        with count_collectives() as counts:
+            step().backward()
+        found[name] = dict(counts)
+    groups = sum(1 for m in net.modules() if isinstance(m, fsdp.FSDPModule))
+    assert found["regularized"] == found["plain"], f"rank {rank}: {found}"
+    assert found["plain"]["all_gather_single"] >= groups, found
+    if rank == 0:
+        with open(report, "w") as f:
+            f.write(f"groups={groups} " + " ".join(f"{k}={v}" for k, v in found["plain"].items()))
+
+
+def test_fsdp2_one_all_gather_per_group_serves_every_block(tmp_path):
+    """The tangent blocks ride in the same forward: as many collectives as a plain step."""
+    report = tmp_path / "collectives.txt"
+    spawn("worker_collectives", str(report))
+    print(report.read_text())
