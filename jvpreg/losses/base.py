@@ -400,6 +400,7 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
     b = x.shape[0]
     named = dict(model.named_parameters())
     named.update(dict(model.named_buffers()))
+    _sharded.check_sharding(model, named, where)
     input_dirs: List[Optional[torch.Tensor]] = []
     param_dirs: List[Optional[Dict[str, torch.Tensor]]] = []
     slots: List[_Slot] = []

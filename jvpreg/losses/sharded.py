@@ -16,6 +16,7 @@ The scale ``s`` is chosen before the forward, from the local shard of ``W`` and 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -25,9 +26,9 @@ from ..clone import api as _api
 from ..clone.tensor import is_clone, wrap as _wrap
 
 try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover - older torch
-    DTensor, Shard = (), ()
+    DTensor, Replicate, Shard = (), (), ()
 try:  # torch >= 2.6; older FSDP2 lived in torch.distributed._composable.fsdp
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover
@@ -36,7 +37,9 @@ except ImportError:  # pragma: no cover
     except ImportError:
         FSDPModule = ()
 
-__all__ = ["is_sharded", "managing_module", "scale_pair", "swapped_unsharded"]
+__all__ = ["check_sharding", "is_sharded", "managing_module", "scale_pair", "swapped_unsharded"]
+
+_CHECKED: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -57,6 +60,31 @@ def managing_module(model: nn.Module, name: str) -> Optional[Tuple[str, nn.Modul
         if FSDPModule and isinstance(mod, FSDPModule):
             return path, mod
     return None
+
+
+def check_sharding(model: nn.Module, named: Dict[str, torch.Tensor], where: str) -> None:
+    """Refuse ``DTensor`` parameters that FSDP2 alone does not explain (tensor parallelism, FSDP + TP).
+
+    FSDP2 shards each parameter once, on dim 0 (``Shard(0)``; ``Replicate`` on HSDP's replica dim),
+    from the ``fully_shard``-ed module that manages it. Anything else means tensor-parallel layers,
+    whose hooks turn activations into ``DTensor``\\ s, which clone batches are not: NotImplementedError.
+    The check runs once per model and set of sharded names.
+    """
+    names = frozenset(n for n, p in named.items() if is_sharded(p))
+    if not names or _CHECKED.get(model) == names:
+        return
+    for name in sorted(names):
+        pl = named[name].placements
+        shards = [q for q in pl if isinstance(q, Shard)]
+        fsdp_like = (all(isinstance(q, (Shard, Replicate)) for q in pl) and len(shards) <= 1
+                     and all(q.dim == 0 for q in shards))
+        if not fsdp_like or managing_module(model, name) is None:
+            raise NotImplementedError(
+                f"{where}: parameter {name!r} is a DTensor with placements {tuple(pl)} that fully_shard (FSDP2) "
+                "alone does not produce (tensor parallelism?); clone mode is only implemented for plain and "
+                "FSDP2-sharded parameters. Use FSDP2 without tensor parallelism (e.g. ModelParallelStrategy("
+                "data_parallel_size=<world size>, tensor_parallel_size=1)), or DDP.")
+    _CHECKED[model] = names
 
 
 def scale_pair(p: torch.Tensor, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,155 @@
+"""Lightning strategies: which ones the regularizer callbacks accept at ``setup`` (pinned messages), and a
+real ``ModelParallelStrategy`` (FSDP2) run on 2 CPU processes (gloo, float64) against the unsharded
+network under DDP.
+
+Lightning's ``FSDPStrategy`` refuses CPU, so its run needs a GPU machine and is not part of CI; the
+mechanism below Lightning (an FSDP1-wrapped network) is tested on CPU in ``test_fsdp.py``.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import warnings
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from jvpreg.callbacks import JacobianRegularizer, ParameterSensitivityRegularizer, TangentPropRegularizer
+from jvpreg.callbacks.strategies import check_strategy, has_weight_directions
+from jvpreg.losses import JacobianFrobenius, ParameterSensitivity, regularized_forward
+
+LAM = 0.25
+
+
+def _fake(name: str):
+    return type(name, (), {})()
+
+
+@pytest.mark.parametrize("name,match", [
+    ("DeepSpeedStrategy", r"not implemented for DeepSpeedStrategy\. DeepSpeed partitions .* Use "
+                          r"strategy=ModelParallelStrategy\(\) with fully_shard in configure_model"),
+    ("XLAFSDPStrategy", r"not implemented for XLAFSDPStrategy\. XLA's FSDP is not supported"),
+])
+def test_refused_strategies_fail_at_setup(name, match):
+    from test_callbacks import Lit, mlp_dropout
+    trainer = type("T", (), {"strategy": _fake(name), "callbacks": []})()
+    with pytest.raises(NotImplementedError, match=r"JacobianRegularizer\(name='jacobian_frobenius'\): " + match):
+        JacobianRegularizer(1.0).setup(trainer, Lit(mlp_dropout()), "fit")
+
+
+def test_fsdp1_refuses_weight_directions_only():
+    from test_callbacks import Lit, mlp_dropout
+    trainer = type("T", (), {"strategy": _fake("FSDPStrategy"), "callbacks": []})()
+    JacobianRegularizer(1.0).setup(trainer, Lit(mlp_dropout()), "fit")  # input directions: accepted
+    with pytest.raises(NotImplementedError, match=r"weight-space directions \(ParameterSensitivity\) are not "
+                                                  r"implemented for FSDPStrategy .* Use strategy=ModelParallel"):
+        ParameterSensitivityRegularizer(1.0, params="*weight").setup(trainer, Lit(mlp_dropout()), "fit")
+    for name in ("ModelParallelStrategy", "DDPStrategy", "SingleDeviceStrategy"):
+        check_strategy(_fake(name), [(ParameterSensitivity(), 1.0, 1.0)], "where")
+    assert has_weight_directions(ParameterSensitivity()) and not has_weight_directions(JacobianFrobenius())
+
+
+# --------------------------------------------------------------------------- ModelParallelStrategy on CPU
+
+
+class ShardedLit(pl.LightningModule):
+    """An ordinary classifier that shards its network with FSDP2 in ``configure_model``."""
+
+    def __init__(self, net: nn.Module, dataset=None):
+        super().__init__()
+        self.net, self.dataset = net, dataset
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.net[0], mesh=mesh)  # nested: the BatchNorm block, then the rest
+        fully_shard(self.net, mesh=mesh)
+
+    def train_dataloader(self):  # rank r gets samples r, r + 2, ... in order
+        sampler = torch.utils.data.DistributedSampler(self.dataset, num_replicas=2, rank=self.global_rank,
+                                                      shuffle=False)
+        return torch.utils.data.DataLoader(self.dataset, batch_size=4, sampler=sampler)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def net_bn():
+    return nn.Sequential(nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU()),
+                         nn.Flatten(), nn.Linear(48, 3))
+
+
+def callbacks():
+    return [JacobianRegularizer(LAM, seed=0, module="net"), TangentPropRegularizer(LAM, "rotate", module="net"),
+            ParameterSensitivityRegularizer(LAM, params="*weight", seed=1, module="net")]
+
+
+def _model_parallel_worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")  # processes "launched externally", as by torchrun
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    torch.manual_seed(0)
+    net = net_bn().double()  # float64 throughout ("64-true" is refused by ModelParallelStrategy; "32-true"
+    # leaves the module's dtype alone)
+    g = torch.Generator().manual_seed(100)
+    x = torch.randn(16, 1, 4, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (16,), generator=g)
+    cbs = callbacks()
+    penalties = [[copy.deepcopy(c.penalty) for c in cbs] for _ in range(2)]  # one generator state per rank
+    model = ShardedLit(copy.deepcopy(net), torch.utils.data.TensorDataset(x, y))
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
+                                     timeout=datetime.timedelta(seconds=60))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, callbacks=cbs,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(model)
+
+    sim = copy.deepcopy(net)  # DDP: each rank's loss, gradients averaged, BatchNorm statistics per rank
+    buffers = [[b.clone() for b in sim.buffers()] for _ in range(2)]
+    opt = torch.optim.SGD(sim.parameters(), lr=0.5)
+    for step in range(2):
+        opt.zero_grad()
+        for r in range(2):
+            with torch.no_grad():
+                for b, saved in zip(sim.buffers(), buffers[r]):
+                    b.copy_(saved)
+            idx = torch.arange(r, 16, 2)[4 * step:4 * step + 4]
+            out, pen = regularized_forward(sim, x[idx], penalties[r])
+            ((F.cross_entropy(out, y[idx]) + LAM * pen) / 2).backward()
+            buffers[r] = [b.clone() for b in sim.buffers()]
+        opt.step()
+    assert all(c.steps_applied == 2 for c in cbs)
+    for (n, a), b in zip(model.net.named_parameters(), sim.parameters()):
+        torch.testing.assert_close(a.full_tensor(), b, rtol=1e-10, atol=1e-10, msg=lambda m: f"rank {rank} {n}: {m}")
+    for (n, a), b in zip(model.net.named_buffers(), buffers[rank]):  # BN statistics of this rank's rows
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"rank {rank} {n}: {m}")
+    dist.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_model_parallel_strategy_fsdp2_cpu_matches_ddp_simulation():
+    """Three regularizers (input and weight directions) under ModelParallelStrategy + fully_shard."""
+    pytest.importorskip("torch.distributed.fsdp").fully_shard
+    mp.spawn(_model_parallel_worker, args=(_free_port(),), nprocs=2, join=True)
