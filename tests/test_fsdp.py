@@ -184,6 +184,7 @@ def worker_exact(rank: int) -> None:
             _check_penalty(rank, net_name, pen_name)
 
 
+@pytest.mark.timeout(180)
 def test_fsdp2_penalties_and_jvps_match_unsharded_ddp():
     """Every penalty, conv + train-mode BatchNorm and a transformer block, nested ``fully_shard``."""
     spawn("worker_exact")
@@ -226,6 +227,8 @@ def worker_mixed_precision(rank: int) -> None:
             _close(g_s[n], g_r[n], f"bf16 {what} grad {n}", rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_fsdp2_mixed_precision_bf16_params_fp32_reduce():
     spawn("worker_mixed_precision")
 
@@ -281,8 +284,77 @@ def worker_collectives(rank: int, report: str) -> None:
             f.write(f"groups={groups} " + " ".join(f"{k}={v}" for k, v in found["plain"].items()))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_fsdp2_one_all_gather_per_group_serves_every_block(tmp_path):
     """The tangent blocks ride in the same forward: as many collectives as a plain step."""
     report = tmp_path / "collectives.txt"
     spawn("worker_collectives", str(report))
     print(report.read_text())
+
+
+# --------------------------------------------------------------------------- FSDP1 and refusals
+
+
+class SkipsSecond(nn.Module):
+    """Calls only its first child: a weight direction on the second is never applied."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.first(x)
+
+
+def worker_fsdp1_and_refusals(rank: int) -> None:
+    """FSDP1 (what Lightning's FSDPStrategy wraps with): input directions exact, weight directions refused;
+    tensor-parallel parameters and unapplied weight directions refused with their fix."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    build, shape = NETS["conv_bn"]
+    torch.manual_seed(0)
+    net = build().double().train()
+    ref = copy.deepcopy(net)
+    wrapped = FSDP(copy.deepcopy(net), auto_wrap_policy=ModuleWrapPolicy({nn.Conv2d, nn.Linear}),
+                   device_id=torch.device("cpu"), use_orig_params=True)
+    x = _inputs(shape, rank)
+    for pen_name in ("jacobian_frobenius", "spectral", "tangent_prop"):
+        make = penalties("conv_bn")[pen_name]
+        values = []
+        for model in (ref, wrapped):
+            model.zero_grad(set_to_none=True)
+            out, value = regularized_forward(model, x, make())
+            (out.pow(2).mean() + value).backward()
+            values.append((out.detach(), value.detach()))
+        _ddp_average(ref)
+        _close(values[1][0], values[0][0], f"FSDP1 {pen_name} output")
+        _close(values[1][1], values[0][1], f"FSDP1 {pen_name} penalty")
+        with FSDP.summon_full_params(wrapped, with_grads=True):
+            for (n, a), b in zip(ref.named_parameters(), wrapped.parameters()):
+                _close(b.grad, a.grad, f"FSDP1 {pen_name} grad {n}")
+    with pytest.raises(NotImplementedError, match=r"prepare\(model, x, terms\): parameter '_fsdp_wrapped_module\..*' "
+                       r"belongs to a FullyShardedDataParallel \(FSDP1\) flat parameter; .* Shard with "
+                       r"torch\.distributed\.fsdp\.fully_shard"):
+        regularized_forward(wrapped, x, ParameterSensitivity("*weight"))
+
+    lin = parallelize_module(nn.Linear(4, 4).double(), init_device_mesh("cpu", (WORLD,)), ColwiseParallel())
+    with pytest.raises(NotImplementedError, match=r"parameter 'bias' is a DTensor with placements \(Shard\(dim=0\),\) "
+                       r"that fully_shard \(FSDP2\) alone does not produce \(tensor parallelism\?\)"):
+        regularized_forward(lin, torch.randn(2, 4, dtype=torch.float64), JacobianFrobenius())
+
+    skips = SkipsSecond().double()
+    fully_shard(skips.second)
+    fully_shard(skips)
+    with pytest.raises(RuntimeError, match=r"the fully_shard-ed module\(s\) second managing the perturbed parameters "
+                       r"were not called during the forward"):
+        regularized_forward(skips, torch.randn(2, 4, dtype=torch.float64), ParameterSensitivity("second.weight"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_fsdp1_input_directions_exact_weight_directions_and_tensor_parallel_refused():
+    spawn("worker_fsdp1_and_refusals")

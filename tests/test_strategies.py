@@ -148,6 +148,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_model_parallel_strategy_fsdp2_cpu_matches_ddp_simulation():
     """Three regularizers (input and weight directions) under ModelParallelStrategy + fully_shard."""

@@ -459,6 +459,7 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
                 param_names.append(name)
     for name in param_names:
         p = named[name]
+        _sharded.check_swappable(name, p, where)
         pairs.append((p, fill([None if pd is None else pd.get(name) for pd in param_dirs], p)))
     with_input = any(u is not None for u in input_dirs)
     scale_pairs = [_sharded.scale_pair(p, u) for p, u in pairs]

@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover
     except ImportError:
         FSDPModule = ()
 
-__all__ = ["check_sharding", "is_sharded", "managing_module", "scale_pair", "swapped_unsharded"]
+__all__ = ["check_sharding", "check_swappable", "is_sharded", "managing_module", "scale_pair", "swapped_unsharded"]
 
 _CHECKED: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
 
@@ -85,6 +85,20 @@ def check_sharding(model: nn.Module, named: Dict[str, torch.Tensor], where: str)
                 "FSDP2-sharded parameters. Use FSDP2 without tensor parallelism (e.g. ModelParallelStrategy("
                 "data_parallel_size=<world size>, tensor_parallel_size=1)), or DDP.")
     _CHECKED[model] = names
+
+
+def check_swappable(name: str, p: torch.Tensor, where: str) -> None:
+    """Refuse a weight direction on a parameter flattened by FSDP1 (``FullyShardedDataParallel``).
+
+    FSDP1 writes its original parameters back into its flat parameter before each forward and
+    re-registers views of it inside its own ``forward``: a swapped clone would be written back (an
+    error) or replaced. NotImplementedError naming FSDP2 as the fix.
+    """
+    if getattr(p, "_fsdp_flattened", False):
+        raise NotImplementedError(
+            f"{where}: parameter {name!r} belongs to a FullyShardedDataParallel (FSDP1) flat parameter; weight-space "
+            "directions are only implemented for plain and FSDP2 (fully_shard) parameters. Shard with "
+            "torch.distributed.fsdp.fully_shard (Lightning: ModelParallelStrategy), or use input directions only.")
 
 
 def scale_pair(p: torch.Tensor, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
