@@ -1,10 +1,13 @@
-"""FSDP2 (``fully_shard``) on CPU: 2 gloo processes, float64, against the unsharded network under DDP.
+"""Sharded data parallelism on CPU: 2 gloo processes against the unsharded network under DDP.
 
 Each rank feeds its own rows to a sharded copy and to an unsharded copy of one network. The sharded
 run's outputs, penalties, JVPs, running statistics and (all-gathered) parameter gradients must equal
 the unsharded run's, whose gradients are averaged over the ranks as DDP averages them (≤ 1e-10 in
-float64). JVPs are also checked against ``torch.func.jvp`` in eval mode. One spawn runs every case
-(process start-up dominates the cost); a failing assertion on a rank fails the test with its message.
+float64). JVPs are also checked against ``torch.func.jvp`` in eval mode. Also: FSDP2 mixed precision
+(bf16 parameters, fp32 reduction) against a bf16 copy; the collectives of a regularized step against
+a plain one; FSDP1 (``FullyShardedDataParallel``, what Lightning's ``FSDPStrategy`` wraps with); the
+refusals. One spawn per test (process start-up dominates the cost); an assertion failing on a rank
+fails the test with its message.
 """
 from __future__ import annotations
 
@@ -82,6 +85,23 @@ def penalties(net: str):
     if len(shape) == 4:
         out["tangent_prop"] = lambda: TangentProp(("rotate", "scale"))
     return out
+
+
+# --------------------------------------------------------------------------- the root cause, in one process
+
+
+def test_gradient_hook_on_a_clone_fires():
+    """FSDP2 unshards a layer's weights for backward from a hook on the layer's output: a hook
+    registered on a clone output must fire (it was put on an alias no gradient reaches)."""
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x, u = torch.randn(2, 3, dtype=torch.float64), torch.randn(1, 2, 3, dtype=torch.float64)
+    (xc,), s = jvpreg.clone.pack((x,), (u,))
+    y = xc @ w
+    seen = []
+    y.register_hook(lambda g: seen.append(tuple(g.shape)))
+    out, tan = jvpreg.clone.unpack(y, s)
+    (out.sum() + tan.pow(2).sum()).backward()
+    assert seen == [(2, 2, 3)]  # the physical (K, *L) gradient
 
 
 # --------------------------------------------------------------------------- process plumbing
