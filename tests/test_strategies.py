@@ -154,3 +154,52 @@ def test_model_parallel_strategy_fsdp2_cpu_matches_ddp_simulation():
     """Three regularizers (input and weight directions) under ModelParallelStrategy + fully_shard."""
     pytest.importorskip("torch.distributed.fsdp").fully_shard
     mp.spawn(_model_parallel_worker, args=(_free_port(),), nprocs=2, join=True)
+
+
+# --------------------------------------------------------------------------- the app: trainer=fsdp
+
+
+def test_fsdp2_strategy_sizes_and_errors():
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    from jvpreg.callbacks.strategies import fsdp2_strategy
+
+    s = fsdp2_strategy(4, 2)
+    assert isinstance(s, ModelParallelStrategy)
+    assert (s._data_parallel_size, s._tensor_parallel_size, s._save_distributed_checkpoint) == (8, 1, False)
+    with pytest.raises(ValueError, match=r"fsdp2_strategy\(devices, num_nodes\): expected devices to be an int >= 1 "
+                                         r"\(the count, not 'auto' or a list\), got 'auto'\."):
+        fsdp2_strategy("auto")
+
+
+def test_trainer_fsdp_config_composes_to_fsdp2():
+    from test_configs import make_cfg
+    from hydra.utils import instantiate
+
+    cfg = make_cfg(["trainer=fsdp", "trainer.accelerator=cpu", "trainer.num_nodes=1"])
+    strategy = instantiate(cfg.trainer.strategy)
+    assert type(strategy).__name__ == "ModelParallelStrategy"
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_app_trains_with_trainer_fsdp_on_two_cpu_processes(tmp_path):
+    """``jvpreg-train trainer=fsdp`` end to end (2 processes, Lightning's own launcher): FSDP2 groups
+    from ``ImageClassifier.configure_model``, two regularizers, test, robustness on rank 0."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jvpreg.train", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2",
+           "logger=csv", "regularizer=stacked", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
+           "trainer.limit_val_batches=2", "robustness.max_samples=32", "robustness.jacobian_max_samples=8",
+           "robustness.pgd_steps=1", "num_threads=1", f"hydra.run.dir={out}", f"paths.output_dir={out}"]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in proc.stdout + proc.stderr
+    metrics = json.loads((out / "metrics.json").read_text())["metrics"]
+    assert "test/acc" in metrics and "robustness/clean_acc" in metrics
+    assert (out / "checkpoints" / "best.ckpt").is_file()

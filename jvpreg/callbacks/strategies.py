@@ -15,11 +15,15 @@
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+from torch import nn
 
 from ..losses.base import JVPPenalty, Term
+from ..losses.sharded import is_sharded
 
-__all__ = ["check_strategy", "has_weight_directions"]
+__all__ = ["check_strategy", "fsdp2_strategy", "fully_shard_blocks", "has_weight_directions", "is_fully_sharded",
+           "unsharded_copy"]
 
 _REFUSED = {
     "DeepSpeedStrategy": "DeepSpeed partitions and gathers parameters inside its own engine, which jvpreg does not "
@@ -53,3 +57,65 @@ def check_strategy(strategy: Any, terms: Sequence[Term], where: str) -> None:
                 "(FSDP1 re-registers its flat parameter's views inside its forward, so a swapped weight would be "
                 "silently replaced). Use strategy=ModelParallelStrategy() with fully_shard in configure_model (FSDP2), "
                 "or input-direction penalties only.")
+
+
+# --------------------------------------------------------------------------- FSDP2 for the app
+
+
+def fsdp2_strategy(devices: int, num_nodes: int = 1, **kwargs: Any):
+    """``ModelParallelStrategy`` for pure FSDP2 over ``devices * num_nodes`` processes (no tensor parallelism).
+
+    Lightning's ``"auto"`` sizes make a node's devices one tensor-parallel group; data parallelism over
+    every process needs ``data_parallel_size = devices * num_nodes``. ``save_distributed_checkpoint``
+    defaults to ``False``: one checkpoint file, which ``jvpreg-eval`` reads.
+
+    Example::
+
+        >>> trainer = Trainer(accelerator="gpu", devices=4, num_nodes=2, strategy=fsdp2_strategy(4, 2))
+    """
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    where = "fsdp2_strategy(devices, num_nodes)"
+    for name, value in (("devices", devices), ("num_nodes", num_nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: expected {name} to be an int >= 1 (the count, not 'auto' or a list), "
+                             f"got {value!r}.")
+    kwargs.setdefault("save_distributed_checkpoint", False)
+    return ModelParallelStrategy(data_parallel_size=devices * num_nodes, tensor_parallel_size=1, **kwargs)
+
+
+def fully_shard_blocks(net: nn.Module, mesh: Any = None, **kwargs: Any) -> nn.Module:
+    """FSDP2 with one group per child of ``net`` that holds parameters, then ``net`` itself (in place).
+
+    One all-gather per child in forward (and one in backward for the children, which reshard after
+    forward), whatever the number of tangent blocks in the batch. ``kwargs`` go to ``fully_shard``
+    (``mp_policy``, ``reshard_after_forward``, ...).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for child in net.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh, **kwargs)
+    fully_shard(net, mesh=mesh, **kwargs)
+    return net
+
+
+def unsharded_copy(net: nn.Module, build: Callable[[], nn.Module]) -> Optional[nn.Module]:
+    """A plain copy of a ``fully_shard``-ed ``net`` with its full weights on CPU, on rank 0 (``None`` elsewhere).
+
+    A collective: every rank must call it. ``build()`` makes an unsharded network of the same architecture.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    copy = build()
+    copy.load_state_dict(state)
+    return copy
+
+
+def is_fully_sharded(net: nn.Module) -> bool:
+    """True when some parameter of ``net`` is sharded (a ``DTensor``)."""
+    return any(is_sharded(p) for p in net.parameters())
