@@ -203,3 +203,54 @@ def test_app_trains_with_trainer_fsdp_on_two_cpu_processes(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())["metrics"]
     assert "test/acc" in metrics and "robustness/clean_acc" in metrics
     assert (out / "checkpoints" / "best.ckpt").is_file()
+
+
+# --------------------------------------------------------------------------- FSDPStrategy (GPU only)
+
+
+class PlainLit(ShardedLit):
+    """The same classifier without configure_model: FSDPStrategy wraps it itself."""
+
+    configure_model = pl.LightningModule.configure_model
+
+
+def _fsdp1_gpu_worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    warnings.simplefilter("ignore")
+    from pytorch_lightning.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    net = net_bn().double()
+    g = torch.Generator().manual_seed(100)
+    x = torch.randn(16, 1, 4, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (16,), generator=g)
+    cbs = callbacks()[:2]  # input directions only under FSDP1
+    penalties = [[copy.deepcopy(c.penalty) for c in cbs] for _ in range(2)]
+    model = PlainLit(copy.deepcopy(net), torch.utils.data.TensorDataset(x, y))
+    strategy = FSDPStrategy(auto_wrap_policy={nn.Conv2d, nn.Linear}, timeout=datetime.timedelta(seconds=120))
+    trainer = pl.Trainer(accelerator="gpu", devices=2, strategy=strategy, max_steps=2, callbacks=cbs,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(model)
+    sim = copy.deepcopy(net)
+    opt = torch.optim.SGD(sim.parameters(), lr=0.5)
+    for step in range(2):
+        opt.zero_grad()
+        for r in range(2):
+            idx = torch.arange(r, 16, 2)[4 * step:4 * step + 4]
+            out, pen = regularized_forward(sim, x[idx], penalties[r])
+            ((F.cross_entropy(out, y[idx]) + LAM * pen) / 2).backward()
+        opt.step()
+    with FullyShardedDataParallel.summon_full_params(trainer.strategy.model):
+        for (n, a), b in zip(model.net.named_parameters(), sim.parameters()):
+            torch.testing.assert_close(a.detach().cpu(), b, rtol=1e-8, atol=1e-8, msg=lambda m: f"rank {rank} {n}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="Lightning's FSDPStrategy needs 2 GPUs")
+def test_fsdp_strategy_gpu_input_directions_match_ddp_simulation():
+    """FSDP1 through Lightning (GPU only): JacobianRegularizer + TangentPropRegularizer, float64."""
+    mp.spawn(_fsdp1_gpu_worker, args=(_free_port(),), nprocs=2, join=True)
