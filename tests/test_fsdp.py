@@ -77,6 +77,7 @@ def penalties(net: str):
     out = {
         "jacobian_frobenius": lambda: JacobianFrobenius(2, seed=0),
         "spectral": lambda: JacobianSpectralNorm(seed=0),
+        "spectral_3_iterations": lambda: JacobianSpectralNorm(3, seed=0),
         "constraint": lambda: JVPConstraint(fixed, "zero"),
         "sensitivity": lambda: ParameterSensitivity(WEIGHTS[net], n_projections=2, seed=0),
         "stack": lambda: Stack([JacobianFrobenius(seed=1), ParameterSensitivity(WEIGHTS[net], seed=2)],
@@ -197,7 +198,35 @@ def _check_jvp(rank: int, net_name: str) -> None:
                 _close(t_s[j], t_f, f"{net_name} eval jvp vs torch.func, direction {j}")
 
 
+def _check_ancestor_managed(rank: int) -> None:
+    """The regularized module is a child whose weights the sharded root manages (hooks, as the callbacks)."""
+    from jvpreg.callbacks.shared import SharedForward
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6)), nn.Linear(6, 3)).double()
+    ref, sharded = copy.deepcopy(net), copy.deepcopy(net)
+    fully_shard(sharded[1])
+    fully_shard(sharded)  # the root manages sharded[0]'s weights
+    x = _inputs((8, 4), rank)
+    results = []
+    for model in (ref, sharded):
+        hooks = SharedForward(model[0])
+        hooks.arm([(JacobianFrobenius(seed=0), 1.0, 1.0), (ParameterSensitivity("*weight", seed=1), 1.0, 1.0)])
+        out = model(x)
+        (out.pow(2).mean() + hooks.total()).backward()
+        hooks.remove()
+        if model is ref:
+            _ddp_average(ref)
+        results.append([out.detach()] + [_full(p.grad) for p in model.parameters()])
+    for i, (a, b) in enumerate(zip(*results)):
+        _close(b, a, f"ancestor-managed, tensor {i}")
+    with pytest.raises(NotImplementedError, match=r"parameter 'weight' of Linear is still a sharded DTensor when "
+                       r"Sequential runs: no fully_shard-ed module around this forward unshards it"):
+        regularized_forward(sharded[0], x, ParameterSensitivity("0.weight"))
+
+
 def worker_exact(rank: int) -> None:
+    _check_ancestor_managed(rank)
     for net_name in NETS:
         _check_jvp(rank, net_name)
         for pen_name in penalties(net_name):
@@ -333,7 +362,7 @@ def worker_fsdp1_and_refusals(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
     build, shape = NETS["conv_bn"]
     torch.manual_seed(0)
@@ -361,9 +390,9 @@ def worker_fsdp1_and_refusals(rank: int) -> None:
                        r"torch\.distributed\.fsdp\.fully_shard"):
         regularized_forward(wrapped, x, ParameterSensitivity("*weight"))
 
-    lin = parallelize_module(nn.Linear(4, 4).double(), init_device_mesh("cpu", (WORLD,)), ColwiseParallel())
-    with pytest.raises(NotImplementedError, match=r"parameter 'bias' is a DTensor with placements \(Shard\(dim=0\),\) "
-                       r"that fully_shard \(FSDP2\) alone does not produce \(tensor parallelism\?\)"):
+    lin = parallelize_module(nn.Linear(4, 4).double(), init_device_mesh("cpu", (WORLD,)), RowwiseParallel())
+    with pytest.raises(NotImplementedError, match=r"parameter 'weight' is a DTensor with placements \(Shard\(dim=1\),\) "
+                       r"that fully_shard \(FSDP2\) does not produce \(tensor parallelism\?\)"):
         regularized_forward(lin, torch.randn(2, 4, dtype=torch.float64), JacobianFrobenius())
 
     skips = SkipsSecond().double()

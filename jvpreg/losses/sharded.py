@@ -47,28 +47,30 @@ def is_sharded(p: torch.Tensor) -> bool:
     return bool(DTensor) and isinstance(p, DTensor)
 
 
-def managing_module(model: nn.Module, name: str) -> Optional[Tuple[str, nn.Module]]:
-    """``(path, module)`` of the ``fully_shard``-ed module that manages parameter ``name``, else ``None``.
+def managing_module(model: nn.Module, name: str) -> Tuple[str, nn.Module]:
+    """``(path, module)`` whose forward sees parameter ``name`` unsharded: the ``fully_shard``-ed module
+    that manages it, else ``model`` itself (its manager is then an ancestor of ``model``).
 
     ``fully_shard`` of a module takes the parameters its ``fully_shard``-ed descendants have not taken,
     so the manager is the longest prefix of ``name`` whose module is an ``FSDPModule``.
     """
     parts = name.split(".")[:-1]
-    for n in range(len(parts), -1, -1):
+    for n in range(len(parts), 0, -1):
         path = ".".join(parts[:n])
         mod = model.get_submodule(path)
         if FSDPModule and isinstance(mod, FSDPModule):
             return path, mod
-    return None
+    return "", model
 
 
 def check_sharding(model: nn.Module, named: Dict[str, torch.Tensor], where: str) -> None:
-    """Refuse ``DTensor`` parameters that FSDP2 alone does not explain (tensor parallelism, FSDP + TP).
+    """Refuse ``DTensor`` parameters whose placements FSDP2 does not produce (tensor parallelism).
 
-    FSDP2 shards each parameter once, on dim 0 (``Shard(0)``; ``Replicate`` on HSDP's replica dim),
-    from the ``fully_shard``-ed module that manages it. Anything else means tensor-parallel layers,
-    whose hooks turn activations into ``DTensor``\\ s, which clone batches are not: NotImplementedError.
-    The check runs once per model and set of sharded names.
+    FSDP2 shards a parameter once, on dim 0 (``Shard(0)``; ``Replicate`` on HSDP's replica dim).
+    Other placements mean tensor-parallel layers, whose hooks turn activations into ``DTensor``\\ s,
+    which clone batches are not: NotImplementedError. (A tensor-parallel layer whose weights happen to
+    look like FSDP2's fails in its first hook instead, naming ``DTensor.from_local``.) The check runs
+    once per model and set of sharded names.
     """
     names = frozenset(n for n, p in named.items() if is_sharded(p))
     if not names or _CHECKED.get(model) == names:
@@ -76,12 +78,11 @@ def check_sharding(model: nn.Module, named: Dict[str, torch.Tensor], where: str)
     for name in sorted(names):
         pl = named[name].placements
         shards = [q for q in pl if isinstance(q, Shard)]
-        fsdp_like = (all(isinstance(q, (Shard, Replicate)) for q in pl) and len(shards) <= 1
-                     and all(q.dim == 0 for q in shards))
-        if not fsdp_like or managing_module(model, name) is None:
+        if not (all(isinstance(q, (Shard, Replicate)) for q in pl) and len(shards) <= 1
+                and all(q.dim == 0 for q in shards)):
             raise NotImplementedError(
                 f"{where}: parameter {name!r} is a DTensor with placements {tuple(pl)} that fully_shard (FSDP2) "
-                "alone does not produce (tensor parallelism?); clone mode is only implemented for plain and "
+                "does not produce (tensor parallelism?); clone mode is only implemented for plain and "
                 "FSDP2-sharded parameters. Use FSDP2 without tensor parallelism (e.g. ModelParallelStrategy("
                 "data_parallel_size=<world size>, tensor_parallel_size=1)), or DDP.")
     _CHECKED[model] = names
@@ -125,18 +126,12 @@ def swapped_unsharded(model: nn.Module, directions: Dict[str, torch.Tensor], sca
     named in ``directions`` (``{name: (k, *W.shape)}``), built from the unsharded ``W`` of each call.
 
     Raises:
-        NotImplementedError: a ``DTensor`` parameter that no ``fully_shard``-ed module manages.
+        NotImplementedError: a ``DTensor`` parameter still sharded inside the forward (no FSDP2 manager).
         RuntimeError: on exit, a managing module that was never called (its weights stayed unperturbed).
     """
     groups: Dict[str, Tuple[nn.Module, List[Tuple[nn.Module, str, torch.Tensor]]]] = {}
     for name, u in directions.items():
-        found = managing_module(model, name)
-        if found is None:
-            raise NotImplementedError(
-                f"{where}: parameter {name!r} is a DTensor that no fully_shard-ed module manages (tensor or "
-                "other model parallelism); weight-space directions are only implemented for plain parameters "
-                "and FSDP2 (fully_shard). Regularize input directions only, or leave this parameter out.")
-        path, manager = found
+        path, manager = managing_module(model, name)
         owner_path, _, leaf = name.rpartition(".")
         groups.setdefault(path, (manager, []))[1].append((model.get_submodule(owner_path), leaf, u))
 
@@ -153,8 +148,11 @@ def swapped_unsharded(model: nn.Module, directions: Dict[str, torch.Tensor], sca
             if is_clone(w):
                 continue  # swapped already (nested call)
             if is_sharded(w):
-                raise RuntimeError(f"{where}: expected FSDP to have unsharded {leaf!r} of "
-                                   f"{type(owner).__name__} before the forward of {type(manager).__name__}.")
+                raise NotImplementedError(
+                    f"{where}: parameter {leaf!r} of {type(owner).__name__} is still a sharded DTensor when "
+                    f"{type(manager).__name__} runs: no fully_shard-ed module around this forward unshards it "
+                    "(tensor parallelism, or a fully_shard-ed ancestor whose forward is not running). Weight "
+                    "directions need FSDP2 alone, with the regularized module called inside its manager's forward.")
             if id(w) not in clones:
                 clones[id(w)] = _wrap(_api._blocks(w, u.to(device=w.device, dtype=w.dtype), scales))
             replace[id(w)] = clones[id(w)]
@@ -183,7 +181,7 @@ def swapped_unsharded(model: nn.Module, directions: Dict[str, torch.Tensor], sca
             restore(path)
         for h in handles:
             h.remove()
-    missed = sorted(p or "<root>" for p in groups if p not in called)
+    missed = sorted(p or "<the regularized module>" for p in groups if p not in called)
     if missed:
         raise RuntimeError(f"{where}: the fully_shard-ed module(s) {', '.join(missed)} managing the perturbed "
                            "parameters were not called during the forward, so their weight directions were not "
