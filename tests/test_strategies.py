@@ -38,7 +38,7 @@ def _fake(name: str):
     ("DeepSpeedStrategy", r"not implemented for DeepSpeedStrategy\. DeepSpeed partitions .* Use "
                           r"strategy=ModelParallelStrategy\(\) with fully_shard in configure_model"),
     ("XLAFSDPStrategy", r"not implemented for XLAFSDPStrategy\. XLA's FSDP is not supported"),
-])
+], ids=["deepspeed", "xla_fsdp"])
 def test_refused_strategies_fail_at_setup(name, match):
     from test_callbacks import Lit, mlp_dropout
     trainer = type("T", (), {"strategy": _fake(name), "callbacks": []})()
