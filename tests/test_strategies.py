@@ -254,3 +254,14 @@ def _fsdp1_gpu_worker(rank: int, port: int) -> None:
 def test_fsdp_strategy_gpu_input_directions_match_ddp_simulation():
     """FSDP1 through Lightning (GPU only): JacobianRegularizer + TangentPropRegularizer, float64."""
     mp.spawn(_fsdp1_gpu_worker, args=(_free_port(),), nprocs=2, join=True)
+
+
+def test_jacobian_monitor_refuses_sharded_strategies():
+    from test_callbacks import Lit, mlp_dropout
+
+    from jvpreg.callbacks import JacobianMonitor
+
+    trainer = type("T", (), {"strategy": _fake("ModelParallelStrategy"), "callbacks": [], "limit_val_batches": 1})()
+    with pytest.raises(NotImplementedError, match=r"JacobianMonitor: not implemented for ModelParallelStrategy: the "
+                                                  r"power iteration stops after a data-dependent number of forwards"):
+        JacobianMonitor().setup(trainer, Lit(mlp_dropout()), "fit")

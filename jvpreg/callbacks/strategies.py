@@ -22,7 +22,7 @@ from torch import nn
 from ..losses.base import JVPPenalty, Term
 from ..losses.sharded import is_sharded
 
-__all__ = ["check_strategy", "fsdp2_strategy", "fully_shard_blocks", "has_weight_directions", "is_fully_sharded",
+__all__ = ["check_monitor_strategy", "check_strategy", "fsdp2_strategy", "fully_shard_blocks", "has_weight_directions", "is_fully_sharded",
            "unsharded_copy"]
 
 _REFUSED = {
@@ -57,6 +57,21 @@ def check_strategy(strategy: Any, terms: Sequence[Term], where: str) -> None:
                 "(FSDP1 re-registers its flat parameter's views inside its forward, so a swapped weight would be "
                 "silently replaced). Use strategy=ModelParallelStrategy() with fully_shard in configure_model (FSDP2), "
                 "or input-direction penalties only.")
+
+
+_SHARDED = ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy", "XLAFSDPStrategy")
+
+
+def check_monitor_strategy(strategy: Any, where: str) -> None:
+    """``JacobianMonitor`` refuses sharded strategies: its power iteration stops after a data-dependent
+    number of forwards on each rank's own batch, and under sharding every forward is a collective that
+    all ranks must join (a hang)."""
+    found = sorted(_names(strategy).intersection(_SHARDED))
+    if found:
+        raise NotImplementedError(
+            f"{where}: not implemented for {type(strategy).__name__}: the power iteration stops after a "
+            "data-dependent number of forwards per rank, and every forward of a sharded network is a collective "
+            "all ranks must join. Monitor a DDP run, or analyse a checkpoint with jvpreg.analysis in one process.")
 
 
 # --------------------------------------------------------------------------- FSDP2 for the app
