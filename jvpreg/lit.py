@@ -108,10 +108,11 @@ class ImageClassifier(LightningModule):
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (``trainer=fsdp``): FSDP2 over the data-parallel mesh, one group
         per child block of ``net`` (:func:`jvpreg.callbacks.strategies.fully_shard_blocks`). Else nothing."""
+        from jvpreg.callbacks.strategies import fully_shard_blocks, is_fully_sharded
+
         mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy only
-        if mesh is None or any(type(m).__name__.startswith("FSDP") for m in self.net.modules()):
+        if mesh is None or is_fully_sharded(self.net):  # configure_model runs again for test/validate
             return
-        from jvpreg.callbacks.strategies import fully_shard_blocks
 
         fully_shard_blocks(self.net, mesh["data_parallel"])
 

@@ -286,7 +286,8 @@ class Plan:
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module) -> Iterator[None]:
-        """Context in which ``model``'s perturbed parameters are their clones."""
+        """Context in which ``model``'s perturbed parameters are their clones (FSDP2-sharded ones are cloned
+        from their unsharded values inside the forward, :func:`jvpreg.losses.sharded.swapped_unsharded`)."""
         with contextlib.ExitStack() as stack:
             if self.params:
                 stack.enter_context(_reparametrize_module(model, dict(self.params), tie_weights=True))
