@@ -104,6 +104,18 @@ class ImageClassifier(LightningModule):
             self.best_val_acc = max(self.best_val_acc, float(acc))
             self.log("val/acc_best", self.best_val_acc, prog_bar=True, sync_dist=False)
 
+    # -- sharding ---------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (``trainer=fsdp``): FSDP2 over the data-parallel mesh, one group
+        per child block of ``net`` (:func:`jvpreg.callbacks.strategies.fully_shard_blocks`). Else nothing."""
+        from jvpreg.callbacks.strategies import fully_shard_blocks, is_fully_sharded
+
+        mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy only
+        if mesh is None or is_fully_sharded(self.net):  # configure_model runs again for test/validate
+            return
+
+        fully_shard_blocks(self.net, mesh["data_parallel"])
+
     # -- optimization -----------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
         factory = self.optimizer_factory or (lambda params: torch.optim.Adam(params, lr=1e-3))

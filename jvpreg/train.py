@@ -296,6 +296,7 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     import torch
     from hydra.utils import instantiate
 
+    from jvpreg.callbacks.strategies import is_fully_sharded, unsharded_copy
     from jvpreg.lit import ImageClassifier, MetricsHistory
     from jvpreg.robustness import evaluate_robustness
 
@@ -350,14 +351,19 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     rob_cfg = cfg.get("robustness") or {}
     robustness: Dict[str, float] = {}
     plot_path = None
+    eval_lit = lit
+    if rob_cfg.get("enabled", True) and not trainer.fast_dev_run and is_fully_sharded(lit.net):
+        # FSDP2: rank 0 evaluates an unsharded copy (gathering it is a collective: every rank calls)
+        full = unsharded_copy(lit.net, lambda: instantiate(cfg.model))
+        eval_lit = lit if full is None else ImageClassifier(full)
     if trainer.is_global_zero and rob_cfg.get("enabled", True) and not trainer.fast_dev_run:
         if best:
             state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
-            lit.load_state_dict(state)
-        lit.to(trainer.strategy.root_device)
+            eval_lit.load_state_dict(state)
+        eval_lit.to(trainer.strategy.root_device)
         datamodule.setup("test")
         robustness = evaluate_robustness(
-            lit.net, datamodule.test_dataloader(), noise_sigmas=list(rob_cfg.get("noise_sigmas", [])),
+            eval_lit.net, datamodule.test_dataloader(), noise_sigmas=list(rob_cfg.get("noise_sigmas", [])),
             fgsm_eps=list(rob_cfg.get("fgsm_eps", [])), pgd_eps=list(rob_cfg.get("pgd_eps", [])),
             pgd_steps=int(rob_cfg.get("pgd_steps", 10)), rotations=list(rob_cfg.get("rotations", [])),
             translations=list(rob_cfg.get("translations", [])), jacobian=rob_cfg.get("jacobian", "auto"),

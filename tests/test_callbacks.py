@@ -548,15 +548,6 @@ def test_init_does_not_mutate_arguments():
     assert kwargs == {"schedule": "cosine", "total_steps": 10} and stack.terms[1][1:] == (2.0, 1.0)
 
 
-def test_unsupported_strategies_fail_at_setup():
-    for name in ("FSDPStrategy", "DeepSpeedStrategy"):
-        fake = type(name, (), {})()
-        trainer = type("T", (), {"strategy": fake, "callbacks": []})()
-        with pytest.raises(NotImplementedError, match=rf"only implemented for single-device and DDP strategies; got "
-                                                      rf"{name}, which shards or flattens parameters"):
-            JacobianRegularizer(1.0).setup(trainer, Lit(mlp_dropout()), "fit")
-
-
 def test_runtime_errors():
     loader, _, _ = data()
     with pytest.raises(ValueError, match=r"module='nte' is not a submodule of Lit. Did you mean 'net'\?"):

@@ -39,6 +39,8 @@ from pytorch_lightning import Callback
 from jvpreg.analysis import ENGINES, METHODS, frobenius_norm, top_singular_values
 from jvpreg.losses.base import select_output
 
+from .strategies import check_monitor_strategy
+
 __all__ = ["JacobianMonitor"]
 
 _INPUT_KEYS = ("x", "input", "inputs", "image", "images", "data")
@@ -165,6 +167,7 @@ class JacobianMonitor(Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer, pl_module, stage: str) -> None:
+        check_monitor_strategy(trainer.strategy, "JacobianMonitor")
         if stage == "fit" and self.batch is None and not trainer.limit_val_batches:
             warnings.warn("JacobianMonitor: validation is disabled (limit_val_batches=0), so the monitor never "
                           "runs. Enable validation or run it on your own batch with JacobianMonitor(batch=...) "

@@ -45,6 +45,7 @@ from ..losses.jacobian import JacobianFrobenius, JacobianSpectralNorm
 from ..losses.sensitivity import ParameterSensitivity
 from ..clone import JVPFallbackWarning
 from .shared import SharedForward
+from .strategies import check_strategy
 
 __all__ = [
     "ConstraintRegularizer", "JVPRegularizer", "JacobianRegularizer", "ParameterSensitivityRegularizer",
@@ -52,7 +53,6 @@ __all__ = [
 ]
 
 SCHEDULES = ("constant", "linear_warmup", "cosine")
-_UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAFSDPStrategy")
 
 
 # --------------------------------------------------------------------------- the coordinator
@@ -459,12 +459,7 @@ class JVPRegularizer(Callback):
         if stage != "fit":
             return
         where = f"{type(self).__name__}(name={self.name!r})"
-        names = {c.__name__ for c in type(trainer.strategy).__mro__}
-        bad = sorted(names.intersection(_UNSUPPORTED_STRATEGIES))
-        if bad:
-            raise NotImplementedError(f"{where}: only implemented for single-device and DDP strategies; got "
-                                      f"{type(trainer.strategy).__name__}, which shards or flattens parameters. "
-                                      "Use strategy='ddp' (or 'ddp_spawn') or a single device.")
+        check_strategy(trainer.strategy, self.terms, where)
         if not pl_module.automatic_optimization:
             raise NotImplementedError(f"{where}: only implemented for automatic optimization; this LightningModule "
                                       "sets automatic_optimization=False. Call jvpreg.callbacks.regularized_forward("

@@ -82,8 +82,16 @@ def _on_phys(func, args, kwargs):
 
 register_handler(
     T.to, T.float, T.double, T.half, T.bfloat16, T.cpu, maybe(T, "cuda"), T.type, T.contiguous,
-    T.clone, torch.clone, T.requires_grad_, maybe(T, "pin_memory"), T.retain_grad, T.register_hook,
+    T.clone, torch.clone, T.requires_grad_, maybe(T, "pin_memory"),
 )(_on_phys)
+
+
+@register_handler(T.register_hook, T.retain_grad)
+def _on_self(func, args, kwargs):
+    """Gradient hooks go on the clone itself, the tensor later ops consume: on an alias of it (what
+    ``_on_phys`` builds) they never fire (FSDP2 unshards a layer's parameters for backward from such
+    a hook). The hook receives the gradient of the physical ``(K, *L)`` batch."""
+    return func(*args, **kwargs)
 
 
 @register_handler(T.detach, torch.detach, T.data.__get__)

@@ -44,6 +44,7 @@ from ..clone import api as _api
 from ..clone import capture as _capture
 from ..clone import functions as _functions
 from ..clone.tensor import wrap as _wrap
+from . import sharded as _sharded
 
 __all__ = [
     "JVPPenalty", "PenaltyContext", "Plan", "Stack", "prepare", "regularized_forward",
@@ -302,14 +303,17 @@ class Plan:
     scales: torch.Tensor
     params: Dict[str, torch.Tensor]
     slots: List[_Slot] = field(default_factory=list)
+    sharded: Dict[str, torch.Tensor] = field(default_factory=dict)  # FSDP2 name -> directions (k, *W.shape)
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module) -> Iterator[None]:
-        """Context in which ``model``'s perturbed parameters are their clones."""
-        if not self.params:
-            yield
-            return
-        with _reparametrize_module(model, dict(self.params), tie_weights=True):
+        """Context in which ``model``'s perturbed parameters are their clones (FSDP2-sharded ones are cloned
+        from their unsharded values inside the forward, :func:`jvpreg.losses.sharded.swapped_unsharded`)."""
+        with contextlib.ExitStack() as stack:
+            if self.params:
+                stack.enter_context(_reparametrize_module(model, dict(self.params), tie_weights=True))
+            if self.sharded:  # FSDP2: cloned from the unsharded weights, inside the forward
+                stack.enter_context(_sharded.swapped_unsharded(model, self.sharded, self.scales))
             yield
 
     def enter(self, model: nn.Module):
@@ -418,6 +422,7 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
     b = x.shape[0]
     named = dict(model.named_parameters())
     named.update(dict(model.named_buffers()))
+    _sharded.check_sharding(model, named, where)
     input_dirs: List[Optional[torch.Tensor]] = []
     param_dirs: List[Optional[Dict[str, torch.Tensor]]] = []
     slots: List[_Slot] = []
@@ -476,16 +481,21 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
                 param_names.append(name)
     for name in param_names:
         p = named[name]
+        _sharded.check_swappable(name, p, where)
         pairs.append((p, fill([None if pd is None else pd.get(name) for pd in param_dirs], p)))
     with_input = any(u is not None for u in input_dirs)
+    scale_pairs = [_sharded.scale_pair(p, u) for p, u in pairs]
     if with_input:
-        (x_in,), s = _api.pack((x,), (fill(input_dirs, x),), scale=scale, extra_pairs=pairs)
+        (x_in,), s = _api.pack((x,), (fill(input_dirs, x),), scale=scale, extra_pairs=scale_pairs)
     else:
         _functions.install()
-        s = _api.choose_scales(pairs, total_k) if scale == "auto" else _api._fixed_scales(scale, total_k, x.device)
+        s = (_api.choose_scales(scale_pairs, total_k) if scale == "auto"
+             else _api._fixed_scales(scale, total_k, x.device))
         x_in = x
-    params = {name: _wrap(_api._blocks(p, u, s)) for name, (p, u) in zip(param_names, pairs)}
-    return Plan(x_in=x_in, scales=s, params=params, slots=slots)
+    params = {name: _wrap(_api._blocks(p, u, s)) for name, (p, u) in zip(param_names, pairs)
+              if not _sharded.is_sharded(p)}
+    sharded = {name: u for name, (p, u) in zip(param_names, pairs) if _sharded.is_sharded(p)}
+    return Plan(x_in=x_in, scales=s, params=params, slots=slots, sharded=sharded)
 
 
 # --------------------------------------------------------------------------- composition

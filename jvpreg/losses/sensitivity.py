@@ -20,8 +20,15 @@ import torch
 from torch import nn
 
 from .base import JVPPenalty, accum, PenaltyContext, check_choice, check_int
+from .sharded import is_sharded
 
 __all__ = ["ParameterSensitivity"]
+
+
+def _rms(p: torch.Tensor) -> torch.Tensor:
+    """``sqrt(mean(p²))`` as a plain tensor; of a sharded (``DTensor``) parameter over all its shards."""
+    ms = accum(p.detach()).pow(2).mean()
+    return (ms.full_tensor() if is_sharded(ms) else ms).sqrt()
 
 
 class ParameterSensitivity(JVPPenalty):
@@ -85,7 +92,7 @@ class ParameterSensitivity(JVPPenalty):
             for name, p in self.matched(model).items():
                 u = self.sample((self.n_projections, *p.shape), p, self.distribution)
                 if self.relative:
-                    u = u * accum(p.detach()).pow(2).mean().sqrt().to(u.dtype)
+                    u = u * _rms(p).to(u.dtype)
                 dirs[name] = u
         return dirs
 
