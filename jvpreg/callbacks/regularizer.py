@@ -19,9 +19,9 @@ SyncBatchNorm: with ``sync_batchnorm=True`` the engine's clone rule all-reduces 
 the primal rows only. PyTorch's SyncBatchNorm refuses CPU tensors, so the DDP test runs on CPU
 without it.
 
-Not supported (clear error at ``setup``): manual optimization (use :func:`regularized_forward` in
-the training step) and sharded strategies (FSDP, DeepSpeed, model parallel), whose parameter
-flattening/sharding conflicts with swapping parameters and packing the batch.
+Sharded training (:mod:`jvpreg.callbacks.strategies`): ``ModelParallelStrategy`` (FSDP2) for every
+penalty, ``FSDPStrategy`` for input directions; DeepSpeed and XLA FSDP get a clear error at ``setup``,
+as does manual optimization (use :func:`regularized_forward` in the training step).
 """
 from __future__ import annotations
 
@@ -341,7 +341,8 @@ class JVPRegularizer(Callback):
     Raises:
         TypeError: arguments of the wrong type.
         ValueError: out-of-range values or unknown schedule; at ``setup``, an unknown ``module``.
-        NotImplementedError: at ``setup``, manual optimization or a sharded strategy (FSDP, DeepSpeed).
+        NotImplementedError: at ``setup``, manual optimization, DeepSpeed/XLA FSDP, or weight directions
+            under ``FSDPStrategy`` (see :mod:`jvpreg.callbacks.strategies`).
         RuntimeError: in a step, the regularized module was not called by ``training_step``.
         ValueError, TypeError: in a step, ``input_key``/``input_index`` select no float input, or
             ``output_key`` selects no tensor (the messages list the names available).

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_unflatten
 
 from .dispatch import _flat_clones, per_block, state_eval, fallback
 from .registry import maybe, register_handler, register_state
+from . import tensor as tensor_module
 from .tensor import CloneTensor, any_clone, is_clone, phys_dim, tile, wrap, wrap_tree
 
 T = torch.Tensor
@@ -91,6 +92,10 @@ def _on_self(func, args, kwargs):
     """Gradient hooks go on the clone itself, the tensor later ops consume: on an alias of it (what
     ``_on_phys`` builds) they never fire (FSDP2 unshards a layer's parameters for backward from such
     a hook). The hook receives the gradient of the physical ``(K, *L)`` batch."""
+    if tensor_module._CAPTURING[0] is not None:
+        from .capture import CaptureError
+
+        raise CaptureError("the forward registers a gradient hook (it would not be replayed)")
     return func(*args, **kwargs)
 
 

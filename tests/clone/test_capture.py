@@ -351,3 +351,25 @@ def test_plain_functions_default_to_eager_and_can_be_captured_only_as_modules():
     with fallback_mode("error"):
         _, t = jvpreg.jvp(lambda z: torch.relu(z) * 2, (x,), (u,))
     torch.testing.assert_close(t, torch.where(x > 0, 2 * u, torch.zeros_like(u)))
+
+
+def test_gradient_hook_in_forward_falls_back_to_eager_and_fires():
+    capture._WARNED.clear()
+    seen = []
+
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            h.register_hook(lambda g: seen.append(g.shape))
+            return torch.tanh(h)
+
+    model = Hooked().to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    with pytest.warns(JVPCaptureWarning, match="gradient hook"):
+        _, t = jvpreg.jvp(model, (x,), (u,))
+    t.sum().backward()
+    assert seen  # the hook fired
