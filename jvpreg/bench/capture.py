@@ -164,11 +164,16 @@ def bench_model(name: str, model: nn.Module, x: torch.Tensor, methods, rounds: i
 
     now = time.process_time if clock == "cpu" else time.perf_counter
     for _ in range(rounds):
-        for meth, fn in live.items():
+        for meth, fn in list(live.items()):
             with torch.no_grad(), (ctx() if ctx else _null()):
                 sync(device)
                 t0 = now()
-                fn()
+                try:
+                    fn()
+                except Exception as err:  # e.g. a recompilation that crashes: recorded, never fatal
+                    row["errors"][meth] = f"{type(err).__name__} (timed run): {str(err).splitlines()[0][:140]}"
+                    del live[meth], times[meth]
+                    continue
                 sync(device)
                 times[meth].append(now() - t0)
     import statistics
