@@ -130,7 +130,7 @@ def resolve_engine(engine: str, func: Any, where: str) -> str:
 @dataclass
 class _Program:
     gm: Optional[Callable]              # None: this signature runs in eager clone mode
-    refs: Tuple[Any, ...] = ()          # weakrefs to the plain parameters/buffers (identity guard)
+    keep: Tuple[Any, ...] = ()          # the plain parameters/buffers traced (alive, so equal ids = same objects)
     out_spec: Any = None
     out_kinds: Tuple[Any, ...] = ()     # per output leaf: "clone"/"state"/"tensor" or the constant
     compiled: Optional[Callable] = None
@@ -144,6 +144,7 @@ class _Record:
     modules: List[nn.Module]
     children: List[Tuple[Any, ...]]
     slots: List[Tuple[Dict[str, Any], str]]
+    child_dicts: List[Dict[str, Any]] = field(default_factory=list)
     hooks: str = ""
     programs: Dict[Any, _Program] = field(default_factory=dict)
 
@@ -151,10 +152,11 @@ class _Record:
     def of(cls, module: nn.Module) -> "_Record":
         mods = list(module.modules())
         slots = [(store, name) for m in mods for store in (m._parameters, m._buffers) for name in store]
-        return cls(mods, [tuple(m._modules.values()) for m in mods], slots, _foreign_hooks(module, mods))
+        dicts = [m._modules for m in mods]
+        return cls(mods, [tuple(d.values()) for d in dicts], slots, child_dicts=dicts, hooks=_foreign_hooks(module, mods))
 
     def valid(self) -> bool:
-        return all(tuple(m._modules.values()) == c for m, c in zip(self.modules, self.children))
+        return [tuple(d.values()) for d in self.child_dicts] == self.children
 
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
@@ -238,7 +240,10 @@ def _autocast_state() -> Tuple[Any, ...]:
 def _key(rec: _Record, call_id: int, in_spec: Any, leaves: List[Any], slot_values: List[Any]) -> Tuple[Any, ...]:
     from .dispatch import _FALLBACK
 
-    slot_sig = tuple(id(v) if type(v) is not CloneTensor else _leaf_sig(v) for v in slot_values)
+    if CloneTensor in set(map(type, slot_values)):
+        slot_sig = tuple(id(v) if type(v) is not CloneTensor else _leaf_sig(v) for v in slot_values)
+    else:
+        slot_sig = tuple(map(id, slot_values))
     return (call_id, in_spec, tuple(map(_leaf_sig, leaves)), slot_sig,
             tuple([m.training for m in rec.modules]), torch.is_grad_enabled(), _autocast_state(),
             _FALLBACK["mode"])
@@ -334,9 +339,8 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
     optimize(gm)
-    refs = tuple(weakref.ref(v) if isinstance(v, torch.Tensor) and type(v) is not CloneTensor else None
-                 for v in slot_values)
-    return _Program(gm=gm, refs=refs, out_spec=out_meta["spec"], out_kinds=out_meta["kinds"])
+    keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
+    return _Program(gm=gm, keep=keep, out_spec=out_meta["spec"], out_kinds=out_meta["kinds"])
 
 
 def _pure(target: Any) -> bool:
@@ -405,8 +409,9 @@ def _drop_broadcast_expands(graph: torch.fx.Graph) -> None:
 
 def _inputs(leaves: List[Any], slot_values: List[Any]) -> List[torch.Tensor]:
     flat = [_phys(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    flat += [_phys(v) for v in slot_values if isinstance(v, torch.Tensor)]
-    return flat
+    if CloneTensor in set(map(type, slot_values)):
+        return flat + [_phys(v) for v in slot_values if isinstance(v, torch.Tensor)]
+    return flat + [v for v in slot_values if v is not None]
 
 
 def _rebuild(prog: _Program, outs: List[torch.Tensor]) -> Any:
@@ -462,9 +467,6 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
     slot_values = [store.get(name) for store, name in rec.slots]
     key = _key(rec, id(getattr(fn, "__func__", fn)), in_spec, leaves, slot_values)
     prog = rec.programs.get(key)
-    if prog is not None and prog.gm is not None and not all(
-            r is None or r() is v for r, v in zip(prog.refs, slot_values)):
-        prog = None  # a parameter was replaced by another tensor with the id of a dead one
     if prog is None:
         reason = _unsupported(module, rec)
         if not reason and len(rec.programs) >= MAX_PROGRAMS:

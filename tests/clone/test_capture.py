@@ -110,8 +110,10 @@ def test_captured_equals_eager_on_the_zoo(name, mode, spec):
     eager = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", JVPCaptureWarning)
-        for _ in range(2):  # capture, then replay
+        for i in range(2):  # capture, then replay; the same random draws (stochastic depth) for both
+            torch.manual_seed(i)
             y, t = jvpreg.jvp(model, (x,), (us,), batched_tangents=True, engine="captured")
+            torch.manual_seed(i)
             y_e, t_e = jvpreg.jvp(eager, (x,), (us,), batched_tangents=True, engine="eager")
             torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
