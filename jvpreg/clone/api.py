@@ -134,9 +134,6 @@ def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
     if got != expected:
         hint = " (batched_tangents=True expects a leading k dim)" if batched else ""
         raise ValueError(f"{where}: tangents[{i}] has shape {tuple(t.shape)}, expected {expected}{hint}.")
-    if p.dim() == 0:
-        raise ValueError(f"{where}: primals[{i}] is 0-dimensional; clone mode needs at least one dimension "
-                         "(reshape it to shape (1,) or close over it in func).")
     return t.shape[0] if batched else 1
 
 

@@ -37,6 +37,18 @@ class JVPFallbackWarning(UserWarning):
 
 _FALLBACK = {"mode": "jvp"}  # "jvp" (exact fallback, warn once) | "error"
 _WARNED: set = set()
+_RECORD: list = []  # stack of lists collecting the names of ops that took the fallback (record_fallbacks)
+
+
+@contextlib.contextmanager
+def record_fallbacks():
+    """Collect the names of the ops that run through the exact fallback inside the block (yields a list)."""
+    seen: list = []
+    _RECORD.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORD.remove(seen)
 
 
 def set_fallback(mode: str) -> None:
@@ -259,9 +271,8 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
 
     if not diff:
         return state_eval(func, args, kwargs)
-
-    # Cheap probe-free path for queries that return no tensor (shape, dtype, item...):
-    # run on block 0 first only when the op is known to be a query.
+    for seen in _RECORD:
+        seen.append(name)
     if _FALLBACK["mode"] == "error":
         raise UnsupportedOpError(
             f"jvpreg clone mode has no rule for {name} and the fallback is disabled "

@@ -93,6 +93,13 @@ def test_has_aux_returns_aux_of_the_primal(func):
         torch.testing.assert_close(aux, aux_ref, rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("func", [torch.sin, lambda x: x * x.exp(), lambda x: torch.stack([x, x.relu()])],
+                         ids=["sin", "product", "stack"])
+def test_0_dim_primals_are_accepted_like_torch_func(func):
+    x, u = torch.tensor(0.7, dtype=D), torch.tensor(-1.3, dtype=D)
+    assert_tree_close(jvpreg.jvp(func, (x,), (u,)), torch.func.jvp(func, (x,), (u,)))
+
+
 def test_several_primals():
     x, w = randn(3, 4), randn(4, 2)
     tx, tw = randn(3, 4), randn(4, 2)
@@ -227,10 +234,6 @@ JVP_ERRORS = [
      "match": WHERE + r"primals\[0\] has dtype torch\.int64; JVPs need floating-point primals"},
     {"id": "bool-primal", "args": (torch.sin, (torch.zeros(3, dtype=torch.bool),), (torch.zeros(3),)),
      "kwargs": {}, "error": TypeError, "match": WHERE + r"primals\[0\] has dtype torch\.bool"},
-    {"id": "0-dim-primal", "args": (torch.sin, (torch.tensor(1.0),), (torch.tensor(1.0),)), "kwargs": {},
-     "error": ValueError,
-     "match": WHERE + r"primals\[0\] is 0-dimensional; clone mode needs at least one dimension \(reshape it to "
-                      r"shape \(1,\) or close over it in func\)"},
     {"id": "has_aux-without-tuple", "args": (torch.sin, (X,), (X,)), "kwargs": {"has_aux": True},
      "error": TypeError, "match": WHERE + r"has_aux=True expects func to return a \(output, aux\) tuple"},
 ] + [
