@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import functions
-from .tensor import is_clone, wrap
+from .tensor import block_delta, is_clone, wrap
 
 _R_DEFAULT = 2.0 ** 20
 _R_HALF = 2.0 ** 2
@@ -50,8 +50,9 @@ def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) ->
         us = torch.zeros(k, dtype=torch.float64, device=ref.device)
         n = 0
         for x, u in pairs:
-            xs = xs + x.detach().double().pow(2).sum()
-            us = us + u.detach().double().pow(2).reshape(k, -1).sum(1)
+            xd, ud = x.detach().double(), u.detach().double()  # non-finite entries (masks) carry no scale
+            xs = xs + torch.where(torch.isfinite(xd), xd, 0.0).pow(2).sum()
+            us = us + torch.where(torch.isfinite(ud), ud, 0.0).pow(2).reshape(k, -1).sum(1)
             n += x.numel()
         rx = torch.sqrt(xs / max(n, 1))
         rx = torch.where(rx > 0, rx, torch.ones_like(rx))
@@ -102,7 +103,7 @@ def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
             y0 = p[0]
             if y0.is_floating_point() or y0.is_complex():
                 sv = scales.to(p.dtype).reshape(-1, *([1] * y0.dim()))
-                t = (p[1:] - y0) / sv
+                t = block_delta(p[1:], y0) / sv
             else:
                 t = torch.zeros((k, *y0.shape), dtype=y0.dtype, device=y0.device)
             return y0, (t if batched else t[0])

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .registry import HANDLERS, REENTRANT, op_name
 from . import tensor as tensor_module
-from .tensor import CloneTensor, is_clone, tile, wrap, wrap_tree
+from .tensor import CloneTensor, block_delta, is_clone, tile, wrap, wrap_tree
 
 
 class UnsupportedOpError(NotImplementedError):
@@ -300,7 +300,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
         for j in range(1, k):
             if rng is not None:
                 _set_rng_state(rng, device)
-            tangents = tuple(_dense(flat[i][j] - flat[i][0]) for i in diff)
+            tangents = tuple(_dense(block_delta(flat[i][j], flat[i][0])) for i in diff)
             if isinstance(func, torch._ops.OpOverload) or isinstance(func, torch._ops.OpOverloadPacket):
                 t_fl, out = _forward_ad_checked(g, primals, tangents, name)
             else:

@@ -12,8 +12,9 @@ classifies the result:
 * ``crash``: any other exception from the engine (a bug).
 
 Comparison: same pytree structure; float leaves to ``rtol = atol / max|ref| = 1e-7``. Where the reference
-primal output is not finite the difference form cannot carry a finite tangent: there a NaN tangent is
-accepted (convention stated in :mod:`jvpreg.clone.tensor`), a wrong finite value is not.
+primal output is not finite the difference form carries no tangent: there 0 (an infinity shared by
+every block, e.g. a ``-inf`` mask) or NaN is accepted (convention: :func:`jvpreg.clone.tensor.block_delta`),
+any other value is not.
 
 Used by ``tests/clone/test_opinfo_sweep.py`` and ``scripts/coverage_table.py``; needs ``expecttest``.
 """
@@ -122,7 +123,8 @@ def reference(fn: Callable, x: torch.Tensor, u: torch.Tensor):
         return y, t
 
 
-def _close(got, want, ref_primal, what: str) -> str:
+def mismatch(got, want, ref_primal, what: str) -> str:
+    """"" (close) or a description of the first difference; the comparison of the module docstring."""
     gl, gs = tree_flatten(got)
     wl, ws = tree_flatten(want)
     pl = tree_flatten(ref_primal)[0]
@@ -144,9 +146,9 @@ def _close(got, want, ref_primal, what: str) -> str:
             continue
         g = g.to(w.dtype)
         p = pl[i] if i < len(pl) and isinstance(pl[i], torch.Tensor) and pl[i].shape == w.shape else None
-        if p is not None and _is_float(p):  # non-finite primal entries: NaN accepted (difference form)
+        if p is not None and _is_float(p):  # non-finite primal entries: 0 or NaN accepted (block_delta)
             nonfin = ~torch.isfinite(p)
-            g = torch.where(nonfin & torch.isnan(g), w, g)
+            g = torch.where(nonfin & (torch.isnan(g) | (g == 0)), w, g)
         fin = torch.isfinite(w)
         scale = w[fin].abs().max().item() if fin.any() else 1.0
         atol = RTOL * max(scale, 1.0)
@@ -186,7 +188,7 @@ def run_case(case: Case) -> Result:
         where = next((f"{fr.filename.split('jvpreg/')[-1]}:{fr.lineno}" for fr in reversed(tb)
                       if "jvpreg/clone" in fr.filename), "?")
         return Result(case, "crash", f"{type(err).__name__} at {where}: {str(err)[:200]}")
-    bad = _close(y, ref_y, ref_y, "primal") or _close(t, ref_t, ref_y, "tangent")
+    bad = mismatch(y, ref_y, ref_y, "primal") or mismatch(t, ref_t, ref_y, "tangent")
     if bad:
         return Result(case, "mismatch", bad, tuple(seen))
     return Result(case, "fallback" if seen else "rule", "", tuple(sorted(set(seen))))

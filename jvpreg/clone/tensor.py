@@ -63,10 +63,24 @@ def primal_block(t: Any) -> Any:
     return t[0] if type(t) is CloneTensor else t
 
 
+def block_delta(z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``z - a``: tangent blocks ``z`` minus the primal ``a``, with the non-finite convention.
+
+    Non-finite primal entries: the difference form cannot carry a tangent on them. An entry that
+    holds the same infinity in a block and in the primal (a ``-inf`` mask, a ``masked_fill`` with
+    ``-inf``: constants shared by every block) has difference 0, not ``inf - inf = NaN``; every
+    other difference is the plain one (a NaN primal keeps NaN tangents: never a wrong finite value).
+    Equal *finite* entries are not touched, so gradients through ``z - a`` stay exact.
+    """
+    d = z - a
+    return d.masked_fill(torch.isnan(d) & (z == a), 0)
+
+
 def delta_blocks(t: Any) -> torch.Tensor | None:
-    """``block_j - block_0`` for j >= 1 of a varying clone; ``None`` for constants and state."""
+    """``block_j - block_0`` for j >= 1 of a varying clone (:func:`block_delta`); ``None`` for constants
+    and state."""
     if type(t) is CloneTensor and not t._jvp_state:
-        return t[1:] - t[0]
+        return block_delta(t[1:], t[0])
     return None
 
 

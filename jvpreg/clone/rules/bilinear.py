@@ -13,7 +13,7 @@ import torch
 from ..dispatch import _flat_clones, fallback, per_block
 from ..registry import detached_target, maybe, register_handler
 from ..structural import align, elementwise, elementwise_inplace
-from ..tensor import is_clone, wrap
+from ..tensor import block_delta, is_clone, wrap
 
 T = torch.Tensor
 
@@ -36,7 +36,7 @@ def mul(func, args, kwargs):
         return elementwise(func, args, kwargs)
     x, y = _aligned_pair(args[0], args[1])
     a1, a2 = x[0], y[0]
-    return wrap(torch.cat([(a1 * a2)[None], a1 * y[1:] + (x[1:] - a1) * a2]))
+    return wrap(torch.cat([(a1 * a2)[None], a1 * y[1:] + block_delta(x[1:], a1) * a2]))
 
 
 @register_handler(T.mul_, T.__imul__, maybe(T, "multiply_"))
@@ -61,8 +61,8 @@ def _divide(x, y, kwargs):
     a1 = xx[0] if is_clone(x) else xx
     a2 = yy[0]
     q = a1 / a2
-    d2 = yy[1:] - a2
-    d1 = (xx[1:] - a1) if vx else 0
+    d2 = block_delta(yy[1:], a2)
+    d1 = block_delta(xx[1:], a1) if vx else 0
     return wrap(torch.cat([q[None], q + (d1 - q * d2) / a2]))
 
 
@@ -117,7 +117,7 @@ def _bilinear(func, args, kwargs):
         f2 = list(flat)
         for i in idx:
             f2[i] = flat[i][0]
-        f2[i2] = flat[i2][j] - flat[i2][0]
+        f2[i2] = block_delta(flat[i2][j], flat[i2][0])
         a2, k2 = tree_unflatten(f2, spec)
         extras.append(func(*a2, **k2))
     b = base.as_subclass(torch.Tensor)

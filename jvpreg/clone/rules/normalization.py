@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import register_rule
-from ..tensor import delta_blocks, is_clone, primal_block, tile
+from ..tensor import block_delta, delta_blocks, is_clone, primal_block, tile
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -181,7 +181,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     rstd_g = torch.rsqrt(var + eps)
     xhat = ((ag - mean) * rstd_g).reshape(a.shape)
     k1 = input.shape[0] - 1
-    d = (input[1:] - a).reshape(k1, n, num_groups, -1)
+    d = block_delta(input[1:], a).reshape(k1, n, num_groups, -1)
     xg = xhat.reshape(n, num_groups, -1)
     dn = (d - d.mean(-1, keepdim=True) - xg * (d * xg).mean(-1, keepdim=True)) * rstd_g
     dn = dn.reshape(k1, *a.shape)
@@ -228,7 +228,7 @@ def _sync_batch_norm_rule(args, kwargs):
             rm.mul_(1 - momentum).add_(mean.detach() * momentum)
             rv.mul_(1 - momentum).add_(var.detach() * (n / (n - 1)) * momentum)
     k1 = x.shape[0] - 1
-    d = x[1:] - a
+    d = block_delta(x[1:], a)
     ddims = (1,) + tuple(i + 1 for i in dims[1:])
     sums = all_reduce(torch.cat([d.sum(ddims).flatten(), (d * xhat).sum(ddims).flatten()]), group=group)
     md = sums[: k1 * c].reshape(k1, 1, c, *([1] * (a.dim() - 2))) / n

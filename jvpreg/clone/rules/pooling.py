@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
-from ..tensor import is_clone, neg_dim
+from ..tensor import block_delta, is_clone, neg_dim
 from .cpa import _extremum
 
 T = torch.Tensor
@@ -90,13 +90,13 @@ def _even_ties(x, out_a, dims, keepdim):
     a = x[0]
     if dims is None:
         mask = (a == out_a).to(a.dtype)
-        d = x[1:] - a
+        d = block_delta(x[1:], a)
         t = (d * mask).flatten(1).sum(1) / mask.sum()
         return torch.cat([out_a.reshape(1), out_a + t])
     nds = tuple(neg_dim(d, a.dim()) for d in dims)
     ref = out_a if keepdim else _unsqueeze_all(out_a, nds, a.dim())
     mask = (a == ref).to(a.dtype)
-    d = x[1:] - a
+    d = block_delta(x[1:], a)
     t = (d * mask).sum(nds, keepdim=keepdim) / mask.sum(nds, keepdim=keepdim)
     return torch.cat([out_a[None], out_a + t])
 
