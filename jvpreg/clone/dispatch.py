@@ -97,6 +97,11 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
             f"jvpreg clone mode: {op_name(func)}(..., out=...) is not supported; use the out-of-place form "
             "(a batch tensor cannot be written into a preallocated `out`)."
         )
+    a0 = args[0] if args else None
+    if type(a0) is CloneTensor and _inplace_name(func) is None:
+        with DisableTorchFunctionSubclass():
+            if a0.numel() == 0:  # an empty batch input: the op is constant in it (zero tangent)
+                return _empty_input(func, args, kwargs)
     handler = HANDLERS.get(func)
     if handler is not None:
         if func in REENTRANT:
@@ -106,10 +111,30 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
     body = decomposition(func)
     if body is not None:  # a Python-level torch op: run its body op by op on the clone batch
         return body(*args, **kwargs)
+    if _inplace_name(func) is not None:  # the out-of-place op is dispatched as a call of its own
+        return generic_inplace(func, args, kwargs)
     with DisableTorchFunctionSubclass():
         if _is_getter(func):  # attributes not listed elsewhere (is_nested, ...): the primal's answer
-            return func(args[0][0])
+            out = func(args[0][0])
+            if isinstance(out, torch.Tensor):  # a tensor-valued attribute: its tangent is unknown here
+                name = op_name(func)
+                raise UnsupportedOpError(
+                    f"jvpreg clone mode has no rule for the tensor attribute {name}. Register one with "
+                    f"`jvpreg.clone.register_handler({name.split(' ')[0]}.__get__)`; see jvpreg/clone/structural.py "
+                    "(`.real`, `.H`) for examples.")
+            return out
         return generic(func, args, kwargs)
+
+
+def _empty_input(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``func`` whose first (batch) argument has no elements: nothing of the output can depend on it, so
+    the op runs once on the primal blocks and every block repeats it (zero tangent); other varying
+    clone arguments (a weight) still get their exact tangents through the fallback."""
+    flat, spec, idx = _flat_clones(args, kwargs)
+    if all(flat[i]._jvp_state or flat[i].numel() == 0 or not _is_float(flat[i]) for i in idx):
+        return state_eval(func, args, kwargs)
+    handler = HANDLERS.get(func)
+    return handler(func, args, kwargs) if handler is not None and func not in REENTRANT else fallback(func, args, kwargs)
 
 
 _DECOMPOSED: dict = {}
@@ -155,30 +180,23 @@ def _inplace_name(func: Callable) -> str | None:
     return None
 
 
-def generic(func: Callable, args: tuple, kwargs: dict) -> Any:
-    if kwargs.get("out") is not None:
-        raise UnsupportedOpError(
-            f"jvpreg clone mode: {op_name(func)}(..., out=...) is not supported; use the out-of-place form."
-        )
-    oop_name = _inplace_name(func)
-    if oop_name is not None:
-        oop = getattr(torch.Tensor, oop_name, None) or getattr(torch, oop_name, None)
-        if oop is None:
-            raise UnsupportedOpError(f"jvpreg clone mode: no out-of-place form of in-place op {op_name(func)}.")
-        from .registry import detached_target
+def generic_inplace(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """An in-place op without a handler: its out-of-place op (dispatched as a call of its own, so rules
+    written with torch-function on work too), written back into the target."""
+    from .registry import detached_target, write_back
 
-        target = args[0]
-        result = dispatch(oop, detached_target(args, kwargs), kwargs)
-        if not is_clone(target):
-            raise RuntimeError(
-                f"jvpreg clone mode: {op_name(func)} would write batch data into a tensor created outside "
-                "the batch. Create that tensor from the batch (e.g. torch.zeros_like(h) or h.new_zeros(...)) "
-                "or collect the pieces with torch.stack/torch.cat."
-            )
-        with DisableTorchFunctionSubclass():
-            target.copy_(result)
-        target._jvp_state = bool(result._jvp_state) if is_clone(result) else False
-        return target
+    oop = getattr(torch.Tensor, _inplace_name(func), None) or getattr(torch, _inplace_name(func), None)
+    if oop is None:
+        raise UnsupportedOpError(
+            f"jvpreg clone mode: no out-of-place form of in-place op {op_name(func)}. "
+            f"{_how_to_register(func, op_name(func))}")
+    target = args[0]
+    if not is_clone(target):
+        return write_back(func, target, None)  # raises: a plain tensor cannot hold the blocks
+    return write_back(func, target, dispatch(oop, detached_target(args, kwargs), kwargs))
+
+
+def generic(func: Callable, args: tuple, kwargs: dict) -> Any:
     flat, spec, idx = _flat_clones(args, kwargs)
     if all(flat[i]._jvp_state for i in idx):
         return state_eval(func, args, kwargs)

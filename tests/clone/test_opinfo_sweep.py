@@ -18,41 +18,7 @@ from jvpreg.clone.registry import HANDLERS  # noqa: E402
 OPS = sweep.sweep_ops()
 
 # op name -> reason. Keep it short; every entry is a known engine limitation or bug.
-XFAIL: dict = {
-    'addbmm': 'crash: in-place addbmm_ with a varying batch product (bilinear.py) mis-shapes the sum over the batch',
-    'clamp': 'crash: tensor bounds of another rank than the input are not broadcast (cpa.py)',
-    'cumsum': 'crash: 0-dim input, dim 0 (structural.py reads dims of a logical scalar)',
-    'div.trunc_rounding': 'silently wrong: the rounding_mode keyword is ignored on a constant divisor (tangent u/y, not 0)',
-    'div.floor_rounding': 'silently wrong: the rounding_mode keyword is ignored on a constant divisor (tangent u/y, not 0)',
-    'expand_as': 'crash: a batch tensor used only for its shape (other is the clone)',
-    'reshape_as': 'crash: a batch tensor used only for its shape (other is the clone)',
-    'view_as': 'crash: a batch tensor used only for its shape (other is the clone)',
-    'masked_fill': 'crash: a varying 0-dim fill value',
-    'max.reduction_with_dim': 'crash: 0-dim input',
-    'max.reduction_no_dim': 'crash: 0-dim input',
-    'min.reduction_with_dim': 'crash: 0-dim input',
-    'min.reduction_no_dim': 'crash: 0-dim input',
-    'amax': 'crash: 0-dim input / empty dim list',
-    'amin': 'crash: 0-dim input / empty dim list',
-    'masked.amax': 'crash: 0-dim input',
-    'masked.amin': 'crash: 0-dim input',
-    'mean': 'crash: 0-dim input with dim=0',
-    'sum': 'crash: 0-dim input with dim=0',
-    'nansum': 'crash: 0-dim input with dim=0',
-    'masked.sum': 'crash: 0-dim input with dim=0',
-    'masked.mean': 'crash: 0-dim input with dim=0',
-    'as_strided': 'crash: in-place view op as_strided_ goes through the out-of-place op and copy_',
-    'as_strided.partial_views': 'crash: in-place view op as_strided_',
-    'squeeze': 'crash: in-place view op squeeze_',
-    'squeeze.multiple': 'crash: in-place view op squeeze_',
-    'unsqueeze': 'crash: in-place view op unsqueeze_',
-    'transpose': 'crash: in-place view op transpose_',
-    't': 'crash: in-place view op t_',
-    'nn.functional.batch_norm': 'crash: empty / degenerate input',
-    'column_stack': 'crash: vmap has no batching rule for column_stack',
-    'index_fill': 'silently wrong: a varying 0-dim fill value lands in the primal block',
-    'H': 'silently wrong: the .H getter drops the tangent',
-}
+XFAIL: dict = {}
 
 
 def _failures(results):

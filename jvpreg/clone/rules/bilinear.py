@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import _flat_clones, fallback, per_block
-from ..registry import detached_target, maybe, register_handler
+from ..dispatch import _flat_clones, fallback, per_block, state_eval
+from ..registry import detached_target, maybe, register_handler, register_op, write_back
 from ..structural import align, elementwise, elementwise_inplace
 from ..tensor import block_delta, is_clone, wrap
 
@@ -44,18 +44,11 @@ def mul_(func, args, kwargs):
     flat, spec, idx = _flat_clones(args, kwargs)
     if len(_varying_positions(flat, idx)) < 2:
         return elementwise_inplace(func, args, kwargs)
-    out = mul(torch.mul, detached_target(args[:2], {}), {})
-    args[0].copy_(out)
-    args[0]._jvp_state = False
-    return args[0]
+    return write_back(func, args[0], mul(torch.mul, detached_target(args[:2], {}), {}))
 
 
 def _divide(x, y, kwargs):
     """x / y with a varying denominator (and any numerator)."""
-    rounding = kwargs.get("rounding_mode")
-    if rounding is not None:  # floor/trunc division: piecewise constant
-        from ..dispatch import state_eval
-        return state_eval(torch.div, (x, y), kwargs)
     vx = is_clone(x) and not x._jvp_state
     xx, yy = _aligned_pair(x, y)
     a1 = xx[0] if is_clone(x) else xx
@@ -66,13 +59,15 @@ def _divide(x, y, kwargs):
     return wrap(torch.cat([q[None], q + (d1 - q * d2) / a2]))
 
 
-@register_handler(torch.div, T.div, T.__truediv__, torch.true_divide, T.true_divide, maybe(torch, "divide"),
-                  maybe(T, "divide"))
-def div(func, args, kwargs):
-    x, y = args[0], args[1] if len(args) > 1 else kwargs["other"]
-    if not (is_clone(y) and not y._jvp_state):
-        return elementwise(func, args, kwargs)
-    return _divide(x, y, kwargs)
+@register_op(torch.div, T.div, T.__truediv__, torch.true_divide, T.true_divide, maybe(torch, "divide"),
+             maybe(T, "divide"))
+def div(func, input, other, *, rounding_mode=None):
+    """x / y; with ``rounding_mode`` ("floor", "trunc") piecewise constant: zero tangent (torch's convention)."""
+    if rounding_mode is not None:
+        return state_eval(func, (input, other), {"rounding_mode": rounding_mode})
+    if not (is_clone(other) and not other._jvp_state):
+        return elementwise(func, (input, other), {})
+    return _divide(input, other, {})
 
 
 @register_handler(T.__rtruediv__)
@@ -85,15 +80,13 @@ def rdiv(func, args, kwargs):
     return _divide(x, y, {})
 
 
-@register_handler(T.div_, T.__itruediv__, T.true_divide_, maybe(T, "divide_"))
-def div_(func, args, kwargs):
-    y = args[1] if len(args) > 1 else kwargs["other"]
-    if not (is_clone(y) and not y._jvp_state):
-        return elementwise_inplace(func, args, kwargs)
-    out = _divide(detached_target((args[0],), {})[0], y, kwargs)
-    args[0].copy_(out)
-    args[0]._jvp_state = False
-    return args[0]
+@register_op(T.div_, T.__itruediv__, T.true_divide_, maybe(T, "divide_"))
+def div_(func, input, other, *, rounding_mode=None):
+    if rounding_mode is not None:
+        return write_back(func, input, div(torch.div, input, other, rounding_mode=rounding_mode))
+    if not (is_clone(other) and not other._jvp_state):
+        return elementwise_inplace(func, (input, other), {})
+    return write_back(func, input, _divide(detached_target((input,), {})[0], other, {}))
 
 
 def _bilinear(func, args, kwargs):

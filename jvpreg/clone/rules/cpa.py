@@ -134,10 +134,13 @@ def _clamp_with_tensor_bounds(input, min, max):
     from ..tensor import wrap
 
     out = input
-    if min is not None:
-        out = wrap(_extremum(out, min, torch.maximum))
-    if max is not None:
-        out = wrap(_extremum(out, max, torch.minimum))
+    for bound, op, kw in ((min, torch.maximum, "min"), (max, torch.minimum, "max")):
+        if bound is None:
+            continue
+        if is_clone(out) or is_clone(bound):
+            out = wrap(_extremum(out, bound, op))
+        else:  # neither operand from the batch (yet): a plain clamp
+            out = torch.clamp(out, **{kw: bound})
     return out
 
 

@@ -253,3 +253,21 @@ try:  # the autograd.Function behind nn.SyncBatchNorm (world size > 1)
     register_function_rule(_SyncBatchNormFunction)(_sync_batch_norm_rule)
 except ImportError:  # pragma: no cover - very old torch
     pass
+
+
+def _batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    """aten._batch_norm_with_update (train-mode BN with running statistics, as torch.compile emits it):
+    clone-BN, plus the primal's saved mean / inverse std and an empty reserve, repeated in every block."""
+    out = batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
+    a = _primal(input)
+    dims = (0,) + tuple(range(2, a.dim()))
+    with torch.no_grad():
+        var, mean = torch.var_mean(a, dim=dims, correction=0)
+        k = out.shape[0]
+        stats = (tile(mean, k), tile(torch.rsqrt(var + eps), k))
+    reserve = torch.empty((k, 0), dtype=torch.uint8, device=a.device)
+    return (out, *stats, reserve)
+
+
+register_rule(torch.ops.aten._batch_norm_with_update, torch.ops.aten._batch_norm_with_update.default,
+              inplace_kwarg=None)(_batch_norm_with_update)

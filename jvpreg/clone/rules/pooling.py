@@ -73,6 +73,11 @@ def _max_min(input, dim=None, keepdim=False, *, op):
     a = input[0]
     if dim is None:
         return _even_ties(input, op(a), dims=None, keepdim=False)
+    if a.dim() == 0:  # over the only "dim" of a scalar: the value itself, index 0
+        values, indices = op(a, dim, keepdim)
+        idx = indices.unsqueeze(0).expand(input.shape[0]).clone()
+        ret = torch.return_types.max if op is torch.max else torch.return_types.min
+        return ret((input.clone(), idx))
     values, indices = op(a, dim, keepdim)
     nd = neg_dim(dim, a.dim())
     ind = indices if keepdim else indices.unsqueeze(nd)
@@ -91,7 +96,7 @@ def _even_ties(x, out_a, dims, keepdim):
     if dims is None:
         mask = (a == out_a).to(a.dtype)
         d = block_delta(x[1:], a)
-        t = (d * mask).flatten(1).sum(1) / mask.sum()
+        t = (d * mask).reshape(d.shape[0], -1).sum(1) / mask.sum()
         return torch.cat([out_a.reshape(1), out_a + t])
     nds = tuple(neg_dim(d, a.dim()) for d in dims)
     ref = out_a if keepdim else _unsqueeze_all(out_a, nds, a.dim())
@@ -121,6 +126,8 @@ def _amax_amin(op):
     def rule(input, dim=(), keepdim=False):
         a = input[0]
         out_a = op(a, dim, keepdim)
+        if a.dim() == 0:  # a scalar is its own extremum
+            return input.clone()
         dims = None if dim in ((), [], None) else ((dim,) if isinstance(dim, int) else tuple(dim))
         if dims is None:
             return _even_ties(input, out_a, None, False) if not keepdim else _keep_full(input, out_a)
