@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .registry import HANDLERS, REENTRANT, op_name
 from . import tensor as tensor_module
-from .tensor import CloneTensor, block_delta, is_clone, tile, wrap, wrap_tree
+from .tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap, wrap_tree
 
 
 class UnsupportedOpError(NotImplementedError):
@@ -349,9 +349,9 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     pos = 0
     for leaf in leaves:
         if _is_float(leaf):
-            blocks = [leaf] + [leaf + t[pos] for t in tangent_outs]
+            tail = torch.stack([leaf + t[pos] for t in tangent_outs])
             pos += 1
-            new_leaves.append(wrap(torch.stack(blocks)))
+            new_leaves.append(wrap(stack_blocks(leaf, tail)))
         elif isinstance(leaf, torch.Tensor):
             new_leaves.append(wrap(tile(leaf, k), state=True))
         else:

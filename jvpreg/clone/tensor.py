@@ -107,6 +107,22 @@ def tile(t: torch.Tensor, k: int) -> torch.Tensor:
     return t.unsqueeze(0).expand(k, *t.shape).clone()
 
 
+def stack_blocks(first: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """Physical ``[first; rest]`` (``rest``: ``(K-1, *L)``) whose blocks keep ``first``'s memory layout.
+
+    ``torch.cat`` of ``first[None]`` would make every block contiguous: a channels-last primal (what a plain
+    forward has after a channels-last convolution) would turn contiguous, and the next kernels (BatchNorm's
+    statistics, convolutions) would take another code path than in the plain forward and differ in the last
+    bits. The cat runs in ``first``'s physical dim order instead (free permutes, one copy as before).
+    """
+    if first.dim() < 2 or first.is_contiguous():
+        return torch.cat([first.unsqueeze(0), rest])
+    order = sorted(range(first.dim()), key=lambda d: -first.stride(d))
+    inv = sorted(range(first.dim()), key=lambda i: order[i])
+    out = torch.cat([first.permute(order).unsqueeze(0), rest.permute(0, *[d + 1 for d in order])])
+    return out.permute(0, *[i + 1 for i in inv])
+
+
 def wrap_tree(out: Any, wrap_fn: Callable[[torch.Tensor], Any]) -> Any:
     """Apply ``wrap_fn`` to every tensor leaf of a (possibly nested) output."""
     if isinstance(out, torch.Tensor):

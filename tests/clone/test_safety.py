@@ -382,6 +382,54 @@ def bn_zoo():
     )
 
 
+class LocalPatchInteraction(nn.Module):
+    """XCiT's LPI: tokens -> channels-last image -> depthwise conv, GELU, BatchNorm, conv. The primal block must
+    keep the channels-last layout of the plain forward, or BatchNorm's statistics differ in the last bits."""
+
+    def __init__(self, c=32):
+        super().__init__()
+        self.conv1, self.act, self.bn = nn.Conv2d(c, c, 3, padding=1, groups=c), nn.GELU(), nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, groups=c)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        h = x.permute(0, 2, 1).reshape(b, c, 14, 14)
+        return self.conv2(self.bn(self.act(self.conv1(h)))).reshape(b, c, n).permute(0, 2, 1)
+
+
+class AttentionBN(nn.Module):
+    """Attention between two batch tensors (matmul, einsum, bmm) followed by BatchNorm over the channels."""
+
+    def __init__(self, e=64, t=49):
+        super().__init__()
+        self.qkv, self.bn = nn.Linear(e, 3 * e), nn.BatchNorm1d(e)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        a = (q @ k.transpose(-2, -1)).softmax(-1)
+        o = torch.einsum("bij,bjd->bid", a, v) + torch.bmm(a, v)
+        return self.bn(o.transpose(1, 2)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("builder,steps,shape", [
+    (LocalPatchInteraction, 2, (2, 196, 32)),
+    (AttentionBN, 2, (4, 49, 64)),
+], ids=["xcit-lpi-channels-last", "attention-bn"])
+def test_running_statistics_equal_plain_forward_tokens(builder, steps, shape):
+    """Token models: primal output and running statistics bit-identical to plain forwards."""
+    torch.manual_seed(0)
+    model = builder().train()
+    plain = copy.deepcopy(model)
+    for step in range(steps):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            y, _ = jvpreg.jvp(model, (x,), (torch.randn_like(x),))
+            y_plain = plain(x)
+        assert torch.equal(y, y_plain), f"step {step}: primal output differs from the plain forward"
+    for (name, b), b_plain in zip(model.named_buffers(), plain.buffers()):
+        assert torch.equal(b, b_plain), f"buffer {name} differs from the plain forward's"
+
+
 @pytest.mark.parametrize("builder,steps", [
     (lambda: bn_zoo(), 2),
     (lambda: build_model("resnet18", in_channels=3, num_classes=10, image_size=16), 1),

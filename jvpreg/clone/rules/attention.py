@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import register_handler, register_rule
-from ..tensor import delta_blocks, is_clone, primal_block
+from ..tensor import delta_blocks, is_clone, primal_block, stack_blocks
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -70,7 +70,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         tan = tan + dp @ v
     if dv is not None:
         tan = tan + pd @ dv
-    return torch.cat([out_a[None], out_a + tan])
+    return stack_blocks(out_a, out_a + tan)
 
 
 def _without_torch_function_guard(fn):

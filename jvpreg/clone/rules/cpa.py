@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
 from ..structural import align
-from ..tensor import block_delta, is_clone
+from ..tensor import block_delta, is_clone, stack_blocks
 
 T = torch.Tensor
 
@@ -167,7 +167,7 @@ def hardsigmoid(input, inplace=False):
     a = input[0]
     out_a = F.hardsigmoid(a)
     inside = (a > -3) & (a < 3)
-    return torch.cat([out_a[None], torch.where(inside, out_a + block_delta(input[1:], a) / 6, out_a)])
+    return stack_blocks(out_a, torch.where(inside, out_a + block_delta(input[1:], a) / 6, out_a))
 
 
 @register_rule(F.hardswish, torch._C._nn.hardswish, inplace=(torch._C._nn.hardswish_,))
@@ -176,7 +176,7 @@ def hardswish(input, inplace=False):
     a = input[0]
     out_a = F.hardswish(a)
     slope = torch.where(a <= -3, torch.zeros_like(a), torch.where(a < 3, (2 * a + 3) / 6, torch.ones_like(a)))
-    return torch.cat([out_a[None], out_a + slope * block_delta(input[1:], a)])
+    return stack_blocks(out_a, out_a + slope * block_delta(input[1:], a))
 
 
 def _extremum(x, y, op):
@@ -195,7 +195,7 @@ def _extremum(x, y, op):
     w = torch.where(xa == ya, torch.full_like(out_a, 0.5), win_x.to(out_a.dtype))
     dx = block_delta(x[1:], xa) if vx else 0
     dy = block_delta(y[1:], ya) if vy else 0
-    return torch.cat([out_a[None], out_a + w * dx + (1 - w) * dy])
+    return stack_blocks(out_a, out_a + w * dx + (1 - w) * dy)
 
 
 @register_rule(torch.maximum, T.maximum, maybe(torch, "fmax"), maybe(T, "fmax"))

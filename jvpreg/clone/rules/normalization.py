@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import register_rule
-from ..tensor import block_delta, delta_blocks, is_clone, primal_block, tile
+from ..tensor import block_delta, delta_blocks, is_clone, primal_block, tile, stack_blocks
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -61,7 +61,7 @@ def linearized_norm(x, out_a, xhat, rstd, red_dims: Sequence[int], weight, bias,
     tan = out_a + tan
     if tan.dim() == out_a.dim():
         tan = tan.unsqueeze(0).expand(k1, *out_a.shape)
-    return torch.cat([out_a[None], tan])
+    return stack_blocks(out_a, tan)
 
 
 @register_rule(F.batch_norm)
@@ -90,11 +90,14 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
             tan = tan + xhat * dw.reshape(dw.shape[0], *ch(dw[0]).shape)
         if db is not None:
             tan = tan + db.reshape(db.shape[0], *ch(db[0]).shape)
-        return torch.cat([out_a[None], tan])
-    # One fused kernel each way: the primal forward (running statistics updated once, from the primal
-    # block), and the tangent, which is batch norm's own input-gradient formula applied to d_j.
-    out_a, mean, invstd = torch.native_batch_norm(a, w0, b0, running_mean, running_var, True,
-                                                  0.0 if momentum is None else momentum, eps)
+        return stack_blocks(out_a, tan)
+    # The primal block is the very call a plain forward makes (bit-identical output and running statistics,
+    # updated once); the tangent is batch norm's own input-gradient kernel applied to d_j.
+    out_a = F.batch_norm(a, running_mean, running_var, w0, b0, True, 0.0 if momentum is None else momentum, eps)
+    with torch.no_grad():
+        a32 = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a  # the kernel's statistics dtype
+        var, mean = torch.var_mean(a32, dim=(0,) + tuple(range(2, a.dim())), correction=0)
+        invstd = torch.rsqrt(var + eps)
     return _bn_tangents(input, a, out_a, mean, invstd, weight, bias, eps, ch)
 
 
@@ -121,7 +124,7 @@ def _bn_tangents(x, a, out_a, mean, invstd, weight, bias, eps, ch):
                 tans[j] = tans[j] + xhat * ch(dw[j])
             if db is not None:
                 tans[j] = tans[j] + ch(db[j])
-    return torch.stack([out_a] + tans)
+    return stack_blocks(out_a, torch.stack(tans))
 
 
 @register_rule(torch.batch_norm)
@@ -193,7 +196,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
         dn = dn + xhat * dw.reshape(k1, *ch(w0).shape)
     if db is not None:
         dn = dn + db.reshape(k1, *ch(b0).shape)
-    return torch.cat([out_a[None], out_a + dn])
+    return stack_blocks(out_a, out_a + dn)
 
 
 def _sync_batch_norm_rule(args, kwargs):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
-from ..tensor import block_delta, is_clone, neg_dim
+from ..tensor import block_delta, is_clone, neg_dim, stack_blocks
 from .cpa import _extremum
 
 T = torch.Tensor
@@ -25,7 +25,7 @@ def gather_blocks(x: torch.Tensor, out_a: torch.Tensor, idx: torch.Tensor, nsp: 
     ind = idx.flatten(-nsp) if nsp > 1 else idx
     ind = ind.unsqueeze(0).expand(k1, *ind.shape)
     got = src.gather(-1, ind).reshape(k1, *out_a.shape)
-    return torch.cat([out_a[None], got])
+    return stack_blocks(out_a, got)
 
 
 def _max_pool_rule(nsp: int):
@@ -85,7 +85,7 @@ def _max_min(input, dim=None, keepdim=False, *, op):
     got = input[1:].gather(nd, ind.unsqueeze(0).expand(k1, *ind.shape))
     if not keepdim:
         got = got.squeeze(nd)
-    vals = torch.cat([values[None], got])
+    vals = stack_blocks(values, got)
     idx = indices.unsqueeze(0).expand(vals.shape[0], *indices.shape).clone()
     return torch.return_types.max((vals, idx)) if op is torch.max else torch.return_types.min((vals, idx))
 
@@ -103,7 +103,7 @@ def _even_ties(x, out_a, dims, keepdim):
     mask = (a == ref).to(a.dtype)
     d = block_delta(x[1:], a)
     t = (d * mask).sum(nds, keepdim=keepdim) / mask.sum(nds, keepdim=keepdim)
-    return torch.cat([out_a[None], out_a + t])
+    return stack_blocks(out_a, out_a + t)
 
 
 def _unsqueeze_all(t, nds, ndim):
