@@ -233,6 +233,32 @@ def _lookup_params(module: nn.Module, names: Mapping[str, torch.Tensor], where: 
     return found
 
 
+def _run_with_plain_prefix(module: nn.Module, primals: tuple, kwargs: dict, k: int):
+    """``module(*primals)`` with plain inputs: the layers before the first perturbed parameter run once, on
+    the plain batch. If the model then writes batch data in place into a tensor of that plain prefix (a
+    residual ``x += shortcut(x)`` whose shortcut holds the perturbed weight: ResNeSt, ...), the call is
+    redone from the start with the inputs as clones of zero tangent, after restoring the buffers and the
+    random state, so running statistics are updated once and dropout draws the same masks."""
+    from .dispatch import BatchWriteError, _rng_state, _set_rng_state
+
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    device = next((p.device for p in primals if isinstance(p, torch.Tensor)), torch.device("cpu"))
+    rng = _rng_state(device)
+    try:
+        return module(*primals, **kwargs)
+    except BatchWriteError:
+        pass
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
+    _set_rng_state(rng, device)
+    zero = tuple(wrap(_blocks(p, torch.zeros((k - 1, *p.shape), dtype=p.dtype, device=p.device),
+                              torch.ones(k - 1, dtype=torch.float64, device=p.device)), state=True)
+                 if isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex()) else p
+                 for p in primals)
+    return module(*zero, **kwargs)
+
+
 def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangents: Mapping[str, torch.Tensor],
                tangents: Sequence[torch.Tensor] | None = None, *, kwargs: Mapping[str, Any] | None = None,
                batched_tangents: bool = False, has_aux: bool = False, scale: Any = "auto"):
@@ -294,7 +320,10 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
         inputs = tuple(primals)
     swapped = {n: wrap(_blocks(p, u, s)) for n, (p, u) in zip(params, pairs)}
     with swapped_tensors(module, {params[n]: t for n, t in swapped.items()}):
-        result = module(*inputs, **dict(kwargs or {}))
+        if tangents is not None:
+            result = module(*inputs, **dict(kwargs or {}))
+        else:
+            result = _run_with_plain_prefix(module, tuple(primals), dict(kwargs or {}), k=s.shape[0] + 1)
     if has_aux:
         result, aux = result
     out, tan = unpack(result, s, batched=batched_tangents)

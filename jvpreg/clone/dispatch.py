@@ -15,6 +15,7 @@ Order of resolution for ``func(*args, **kwargs)`` with at least one clone argume
 from __future__ import annotations
 
 import contextlib
+import types
 import warnings
 from typing import Any, Callable
 
@@ -29,6 +30,11 @@ from .tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap
 
 class UnsupportedOpError(NotImplementedError):
     """An op that the clone engine cannot linearise exactly."""
+
+
+class BatchWriteError(UnsupportedOpError):
+    """An in-place write of batch data into a tensor created outside the batch (a plain tensor cannot hold
+    the blocks)."""
 
 
 class JVPFallbackWarning(UserWarning):
@@ -137,6 +143,16 @@ def _empty_input(func: Callable, args: tuple, kwargs: dict) -> Any:
     return handler(func, args, kwargs) if handler is not None and func not in REENTRANT else fallback(func, args, kwargs)
 
 
+def without_torch_function_guard(fn: Callable) -> Callable:
+    """A copy of a Python op whose ``has_torch_function`` guard is off, so its body runs op by op."""
+    g = dict(fn.__globals__)
+    for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
+        g[name] = lambda *a, **k: False
+    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new
+
+
 _DECOMPOSED: dict = {}
 
 
@@ -152,9 +168,7 @@ def decomposition(func: Callable) -> Callable | None:
     code = getattr(func, "__code__", None)
     if (code is not None and getattr(func, "__module__", None) in ("torch.nn.functional", "torch.functional")
             and any(n.startswith("has_torch_function") for n in code.co_names)):
-        from .rules.attention import _without_torch_function_guard
-
-        body = _without_torch_function_guard(func)
+        body = without_torch_function_guard(func)
     try:
         _DECOMPOSED[func] = body
     except TypeError:

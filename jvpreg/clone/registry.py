@@ -117,10 +117,10 @@ def write_back(func: Any, target: Any, out: Any) -> Any:
     The one place where in-place writes into clones happen (rules, the generic path): the target must
     be a clone, a plain tensor cannot hold the blocks.
     """
-    from .dispatch import UnsupportedOpError
+    from .dispatch import BatchWriteError
 
     if not is_clone(target):
-        raise UnsupportedOpError(
+        raise BatchWriteError(
             f"jvpreg clone mode: {op_name(func)} would write batch data into a tensor created outside the "
             "batch. Create that tensor from the batch (e.g. torch.zeros_like(h) or h.new_zeros(...)) or use the "
             "out-of-place op (collect pieces with torch.stack/torch.cat)."

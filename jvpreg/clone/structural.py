@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_unflatten
 
-from .dispatch import UnsupportedOpError, _flat_clones, per_block, state_eval, fallback
+from .dispatch import BatchWriteError, UnsupportedOpError, _flat_clones, per_block, state_eval, fallback
 from .registry import maybe, register_handler, register_op, register_state
 from .tensor import CloneTensor, any_clone, is_clone, phys_dim, tile, wrap, wrap_tree
 
@@ -169,7 +169,7 @@ def elementwise(func, args, kwargs):
 def elementwise_inplace(func, args, kwargs):
     target = args[0]
     if not is_clone(target):
-        raise UnsupportedOpError(
+        raise BatchWriteError(
             f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
             "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) "
             "or use the out-of-place op."
@@ -598,7 +598,7 @@ def _getitem(func, args, kwargs):
 def _setitem(func, args, kwargs):
     x, idx, value = args[0], args[1], args[2]
     if not is_clone(x):
-        raise UnsupportedOpError(
+        raise BatchWriteError(
             "jvpreg clone mode: `t[...] = h` writes batch data into a tensor created outside the batch. "
             "Create `t` from the batch (e.g. torch.zeros_like(h), h.new_zeros(...)) or collect the pieces "
             "with torch.stack/torch.cat."
@@ -626,7 +626,7 @@ def _setitem(func, args, kwargs):
 def _copy_(func, args, kwargs):
     x, src = args[0], args[1]
     if not is_clone(x):
-        raise UnsupportedOpError(
+        raise BatchWriteError(
             "jvpreg clone mode: `t.copy_(h)` writes batch data into a tensor created outside the batch; "
             "create `t` from the batch instead (torch.zeros_like(h))."
         )

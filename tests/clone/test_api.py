@@ -473,3 +473,33 @@ def test_jvp_params_other_errors():
                                                    r"got \[2, 3\]"):
         jvpreg.jvp_params(model, (x,), {"0.weight": torch.zeros(2, 6, 4, dtype=D)}, (torch.zeros(3, 3, 4, dtype=D),),
                           batched_tangents=True)
+
+
+class ShortcutIntoPlain(nn.Module):
+    """ResNeSt-style residual: ``x += shortcut(x)`` written in place into the main path's tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.down = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        out = self.bn(self.conv(x))
+        out += self.down(x)
+        return torch.relu(out)
+
+
+def test_jvp_params_inplace_residual_into_the_plain_prefix():
+    """Perturbing the shortcut's weight: the in-place residual add lands in a tensor computed before any perturbed
+    layer; jvp_params reruns with clone inputs, running statistics updated once (as one plain forward)."""
+    torch.manual_seed(0)
+    model = ShortcutIntoPlain().double().train()
+    plain = copy.deepcopy(model)
+    x, U = torch.randn(2, 3, 5, 5, dtype=D), torch.randn(4, 3, 1, 1, dtype=D)
+    y, t = jvpreg.jvp_params(model, (x,), {"down.weight": U})
+    params = {n: p.detach() for n, p in plain.named_parameters()}
+    ry, rt = torch.func.jvp(lambda w: torch.func.functional_call(copy.deepcopy(plain), {**params, "down.weight": w},
+                                                                 (x,)), (params["down.weight"],), (U,))
+    assert_tree_close((y, t), (ry, rt))
+    plain(x)
+    for b, b_plain in zip(model.buffers(), plain.buffers()):
+        assert torch.equal(b, b_plain)
