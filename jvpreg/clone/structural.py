@@ -427,7 +427,7 @@ def _split(func, input, what=None, dim=0):
     if name == "unbind":  # unbind(input, dim=0)
         outs = p.unbind(phys_dim(what if what is not None else dim, n))
     else:
-        if torch.is_tensor(what):
+        if is_clone(what):
             return fallback(func, (input, what, dim), {})
         outs = getattr(p, name)(what, phys_dim(dim, n))
     return tuple(wrap(o, state=x._jvp_state) for o in outs)
