@@ -503,3 +503,19 @@ def test_jvp_params_inplace_residual_into_the_plain_prefix():
     plain(x)
     for b, b_plain in zip(model.buffers(), plain.buffers()):
         assert torch.equal(b, b_plain)
+
+
+@pytest.mark.parametrize("module", [lambda: nn.LayerNorm(5), lambda: nn.GroupNorm(2, 6)], ids=["layer_norm", "group_norm"])
+def test_jvp_params_norm_weights_use_rules_not_the_fallback(module):
+    """Differentiated norm weights on a plain input: the rule (xhat * dgamma + dbeta), exact, no fallback."""
+    from jvpreg.clone.dispatch import record_fallbacks
+
+    torch.manual_seed(0)
+    mod, x = module().double(), torch.randn(4, 6, 5, dtype=D)
+    U = torch.randn_like(mod.weight)
+    with record_fallbacks() as seen:
+        got = jvpreg.jvp_params(mod, (x,), {"weight": U})
+    want = torch.func.jvp(lambda w: torch.func.functional_call(mod, {"weight": w, "bias": mod.bias}, (x,)),
+                          (mod.weight.detach(),), (U,))
+    assert_tree_close(got, want)
+    assert seen == []

@@ -32,6 +32,17 @@ def _channel_view(p: torch.Tensor, ndim: int, channel_dim: int = 1) -> torch.Ten
     return p.reshape(shape)
 
 
+def _batch_input(input, weight, bias):
+    """A plain input normalised with batch (perturbed) weights: the input as a clone of zero tangent, so the
+    weight tangents ``xhat * dgamma + dbeta`` come from the same linearisation."""
+    if is_clone(input):
+        return input
+    k = next(t.shape[0] for t in (weight, bias) if is_clone(t))
+    from ..tensor import wrap
+
+    return wrap(tile(input, k), state=True)
+
+
 def linearized_norm(x, out_a, xhat, rstd, red_dims: Sequence[int], weight, bias, affine_shape):
     """Assemble ``[out_a; out_j]`` for a normalisation with primal statistics (see module doc).
 
@@ -158,8 +169,7 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 @register_rule(F.layer_norm, torch.layer_norm)
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
     """LayerNorm over the trailing ``normalized_shape`` dims, statistics of the primal block."""
-    if not is_clone(input):
-        return fallback(F.layer_norm, (input, normalized_shape, weight, bias, eps), {})
+    input = _batch_input(input, weight, bias)
     a = input[0]
     w0, b0 = _primal(weight), _primal(bias)
     out_a = F.layer_norm(a, normalized_shape, w0, b0, eps)
@@ -173,8 +183,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
 @register_rule(F.group_norm, torch.group_norm)
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     """GroupNorm: statistics over (channels of a group, spatial) of each primal sample."""
-    if not is_clone(input):
-        return fallback(F.group_norm, (input, num_groups, weight, bias, eps), {})
+    input = _batch_input(input, weight, bias)
     a = input[0]
     w0, b0 = _primal(weight), _primal(bias)
     out_a = F.group_norm(a, num_groups, w0, b0, eps)
