@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_unflatten
 
-from .dispatch import BatchWriteError, UnsupportedOpError, _flat_clones, per_block, state_eval, fallback
+from .dispatch import BatchWriteError, _flat_clones, per_block, state_eval, fallback
 from .registry import maybe, register_handler, register_op, register_state
 from .tensor import CloneTensor, any_clone, is_clone, phys_dim, tile, wrap, wrap_tree
 

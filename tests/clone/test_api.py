@@ -14,24 +14,15 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten
 
 import jvpreg
+from conftest import assert_tree_close
 from jvpreg.clone import fallback_mode
 
 D = torch.float64
 RTOL = 1e-10
 WHERE = r"jvpreg\.jvp\(func, primals, tangents\): "
 WHERE_P = r"jvpreg\.jvp_params\(module, primals, param_tangents\): "
-
-
-def assert_tree_close(got, want, rtol: float = RTOL) -> None:
-    gl, gs = tree_flatten(got)
-    wl, ws = tree_flatten(want)
-    assert gs == ws, f"structure {gs} != reference {ws}"
-    for g, w in zip(gl, wl):
-        g, w = g.detach(), w.detach()
-        torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * max(w.abs().max().item(), 1e-300))
 
 
 @pytest.fixture(autouse=True)

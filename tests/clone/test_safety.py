@@ -339,6 +339,7 @@ def _without_running_stats(model: nn.Module) -> nn.Module:
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("net", [pytest.param(n, id=n["name"]) for n in NETWORKS])
 def test_float32_precision_eval(net):
     """Eval mode: float32 clone JVP within 1e-5 (norm-wise) of the float64 torch.func.jvp."""
@@ -354,6 +355,7 @@ def test_float32_precision_eval(net):
     assert rel_err(t, t_ref) <= 1e-5, f"relative error {rel_err(t, t_ref):.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("net", NETWORKS, ids=[n["name"] for n in NETWORKS])
 def test_float32_precision_train(net):
     """Train mode (clone-BN): float32 clone JVP within 1e-5 of float64 torch.func.jvp (or of the yardstick)."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import fallback, per_block
-from ..registry import maybe, register_op
+from ..registry import register_op
 from ..tensor import block_delta, is_clone, stack_blocks, wrap
 
 T = torch.Tensor
