@@ -203,6 +203,8 @@ def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str |
         def in_place(func, args, kwargs):
             return run_in_place(args, {k: v for k, v in kwargs.items() if k != inplace_kwarg})
 
+        functools.wraps(rule)(out_of_place)
+        functools.wraps(rule)(in_place)
         for f in _existing(funcs):
             HANDLERS[f] = out_of_place
         for f in inplace:
@@ -219,6 +221,14 @@ def register_state(*funcs: Any) -> None:
 
     for f in _existing(funcs):
         HANDLERS[f] = state_eval
+
+
+def rule_for(func: Any) -> Callable | None:
+    """The rule or handler function registered for a torch function (unwrapped from the registry's
+    binding and in-place wrappers, ``__wrapped__``), or ``None``: then the op takes the generic path
+    (state evaluation, or the exact fallback)."""
+    h = HANDLERS.get(func)
+    return None if h is None else inspect.unwrap(h)
 
 
 def maybe(obj: Any, name: str) -> Any:

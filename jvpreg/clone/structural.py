@@ -577,8 +577,10 @@ _PER_BLOCK = [
     "conj", "real", "imag", "view_as_real", "view_as_complex", "nan_to_num",
     "broadcast_tensors", "broadcast_to",
 ]
-register_handler(*[maybe(torch, n) for n in _PER_BLOCK], *[maybe(T, n) for n in _PER_BLOCK])(
-    lambda func, args, kwargs: per_block(func, args, kwargs))
+@register_handler(*[maybe(torch, n) for n in _PER_BLOCK], *[maybe(T, n) for n in _PER_BLOCK])
+def _per_block(func, args, kwargs):
+    """Affine in the batch tensor for fixed indices/masks: every block through the op (``torch.vmap``)."""
+    return per_block(func, args, kwargs)
 
 
 @register_handler(T.__getitem__)

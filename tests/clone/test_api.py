@@ -510,3 +510,12 @@ def test_jvp_params_norm_weights_use_rules_not_the_fallback(module):
                           (mod.weight.detach(),), (U,))
     assert_tree_close(got, want)
     assert seen == []
+
+
+def test_rule_for_returns_the_rule_function_itself():
+    from jvpreg.clone.rules import cpa, composite
+
+    assert jvpreg.clone.rule_for(torch.relu) is cpa.relu
+    assert jvpreg.clone.rule_for(torch.logsumexp) is composite.logsumexp
+    assert jvpreg.clone.rule_for(torch.narrow).__name__ == "_narrow"
+    assert jvpreg.clone.rule_for(torch.special.zeta) is None  # generic path: fallback

@@ -63,6 +63,7 @@ def def_composite(*funcs, aliases=None):
             return _combine(out_a, out)
 
         handler.__doc__ = body.__doc__
+        handler.__wrapped__ = body
         return body
 
     return deco

@@ -32,7 +32,7 @@ def def_smooth(funcs, inplace=(), *, primal: Callable, slope: Callable, doc: str
         return stack_blocks(out_a, out_a + s * block_delta(input[1:], a))
 
     rule.__doc__ = doc
-    rule.__name__ = doc.split("(")[0]
+    rule.__name__ = rule.__qualname__ = doc.split("'")[0] if "'" in doc else doc.split("(")[0]
     return register_rule(*funcs, inplace=inplace)(rule)
 
 
