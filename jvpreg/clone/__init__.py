@@ -11,11 +11,11 @@ from .api import call, choose_scales, jvp, jvp_params, pack, primal_of, unpack
 from .capture import JVPCaptureWarning
 from .dispatch import JVPFallbackWarning, UnsupportedOpError, fallback_mode, set_fallback
 from .functions import register_function_rule
-from .registry import register_handler, register_rule, register_state
+from .registry import register_handler, register_rule, register_state, rule_for
 from .tensor import CloneTensor, is_clone
 
 __all__ = [
     "CloneTensor", "JVPCaptureWarning", "JVPFallbackWarning", "call", "UnsupportedOpError", "choose_scales", "fallback_mode", "is_clone",
     "jvp", "jvp_params", "pack", "primal_of", "register_function_rule", "register_handler", "register_rule",
-    "register_state", "set_fallback", "unpack",
+    "register_state", "rule_for", "set_fallback", "unpack",
 ]

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import capture, functions
-from .tensor import is_clone, wrap
+from .tensor import block_delta, is_clone, wrap
 
 _R_DEFAULT = 2.0 ** 20
 _R_HALF = 2.0 ** 2
@@ -50,8 +50,9 @@ def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) ->
         us = torch.zeros(k, dtype=torch.float64, device=ref.device)
         n = 0
         for x, u in pairs:
-            xs = xs + x.detach().double().pow(2).sum()
-            us = us + u.detach().double().pow(2).reshape(k, -1).sum(1)
+            xd, ud = x.detach().double(), u.detach().double()  # non-finite entries (masks) carry no scale
+            xs = xs + torch.where(torch.isfinite(xd), xd, 0.0).pow(2).sum()
+            us = us + torch.where(torch.isfinite(ud), ud, 0.0).pow(2).reshape(k, -1).sum(1)
             n += x.numel()
         rx = torch.sqrt(xs / max(n, 1))
         rx = torch.where(rx > 0, rx, torch.ones_like(rx))
@@ -102,7 +103,7 @@ def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
             y0 = p[0]
             if y0.is_floating_point() or y0.is_complex():
                 sv = scales.to(p.dtype).reshape(-1, *([1] * y0.dim()))
-                t = (p[1:] - y0) / sv
+                t = block_delta(p[1:], y0) / sv
             else:
                 t = torch.zeros((k, *y0.shape), dtype=y0.dtype, device=y0.device)
             return y0, (t if batched else t[0])
@@ -134,9 +135,6 @@ def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
     if got != expected:
         hint = " (batched_tangents=True expects a leading k dim)" if batched else ""
         raise ValueError(f"{where}: tangents[{i}] has shape {tuple(t.shape)}, expected {expected}{hint}.")
-    if p.dim() == 0:
-        raise ValueError(f"{where}: primals[{i}] is 0-dimensional; clone mode needs at least one dimension "
-                         "(reshape it to shape (1,) or close over it in func).")
     return t.shape[0] if batched else 1
 
 
@@ -259,6 +257,32 @@ def _lookup_params(module: nn.Module, names: Mapping[str, torch.Tensor], where: 
     return found
 
 
+def _run_with_plain_prefix(module: nn.Module, primals: tuple, kwargs: dict, k: int, engine: str = "auto"):
+    """``module(*primals)`` with plain inputs: the layers before the first perturbed parameter run once, on
+    the plain batch. If the model then writes batch data in place into a tensor of that plain prefix (a
+    residual ``x += shortcut(x)`` whose shortcut holds the perturbed weight: ResNeSt, ...), the call is
+    redone from the start with the inputs as clones of zero tangent, after restoring the buffers and the
+    random state, so running statistics are updated once and dropout draws the same masks."""
+    from .dispatch import BatchWriteError, _rng_state, _set_rng_state
+
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    device = next((p.device for p in primals if isinstance(p, torch.Tensor)), torch.device("cpu"))
+    rng = _rng_state(device)
+    try:
+        return call(module, primals, kwargs, engine=engine)
+    except BatchWriteError:
+        pass
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
+    _set_rng_state(rng, device)
+    zero = tuple(wrap(_blocks(p, torch.zeros((k - 1, *p.shape), dtype=p.dtype, device=p.device),
+                              torch.ones(k - 1, dtype=torch.float64, device=p.device)), state=True)
+                 if isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex()) else p
+                 for p in primals)
+    return call(module, zero, kwargs, engine=engine)
+
+
 def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangents: Mapping[str, torch.Tensor],
                tangents: Sequence[torch.Tensor] | None = None, *, kwargs: Mapping[str, Any] | None = None,
                batched_tangents: bool = False, has_aux: bool = False, scale: Any = "auto", engine: str = "auto"):
@@ -322,7 +346,11 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
         inputs = tuple(primals)
     swapped = {n: wrap(_blocks(p, u, s)) for n, (p, u) in zip(params, pairs)}
     with swapped_tensors(module, {params[n]: t for n, t in swapped.items()}):
-        result = call(module, inputs, kwargs, engine=engine)
+        if tangents is not None:
+            result = call(module, inputs, kwargs, engine=engine)
+        else:
+            result = _run_with_plain_prefix(module, tuple(primals), dict(kwargs or {}), k=s.shape[0] + 1,
+                                            engine=engine)
     if has_aux:
         result, aux = result
     out, tan = unpack(result, s, batched=batched_tangents)

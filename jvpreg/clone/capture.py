@@ -301,6 +301,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
 
     def traced(*flat):
         tracer = get_proxy_mode().tracer
+        _note_grad_mode(tracer)
         with _capturing(tracer):
             new_leaves = list(leaves)
             for i, t in zip(clone_pos, flat[:n_in]):
@@ -338,9 +339,45 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     with _restored_state(module, device), warnings.catch_warnings():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
+    _pin_grad_modes(gm.graph, torch.is_grad_enabled())
     optimize(gm)
     keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
     return _Program(gm=gm, keep=keep, out_spec=out_meta["spec"], out_kinds=out_meta["kinds"])
+
+
+def _note_grad_mode(tracer: Any) -> None:
+    """Mark every node with the grad mode it was recorded in. Grad-mode switches made *inside* a
+    ``__torch_function__`` handler (a rule's ``torch.no_grad()``) are invisible to the pre-dispatch
+    tracer, whose function mode is paused there; the marks let :func:`_pin_grad_modes` put them back."""
+    create = tracer.create_node
+
+    def create_node(*args, **kwargs):
+        node = create(*args, **kwargs)
+        node.meta["jvpreg_grad"] = torch.is_grad_enabled()
+        return node
+
+    tracer.create_node = create_node
+
+
+def _pin_grad_modes(graph: torch.fx.Graph, initial: bool) -> None:
+    """Insert ``torch._C._set_grad_enabled`` so the replay runs every op in its recorded grad mode."""
+    state = initial
+    for node in list(graph.nodes):
+        if node.op == "output":
+            if state != initial:
+                with graph.inserting_before(node):
+                    graph.call_function(torch._C._set_grad_enabled, (initial,))
+            break
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            state = bool(node.args[0])
+            continue
+        want = node.meta.get("jvpreg_grad")
+        if want is not None and want != state:
+            with graph.inserting_before(node):
+                graph.call_function(torch._C._set_grad_enabled, (want,))
+            state = want
 
 
 def _pure(target: Any) -> bool:
@@ -378,7 +415,9 @@ def optimize(gm: torch.fx.GraphModule) -> None:
             node.replace_all_uses_with(prev)
             graph.erase_node(node)
     _drop_broadcast_expands(graph)
-    graph.eliminate_dead_code()
+    for node in reversed(list(graph.nodes)):  # dead pure ops only: grad-mode switches and writes stay
+        if node.op == "call_function" and not node.users and _pure(node.target):
+            graph.erase_node(node)
     gm.recompile()
 
 
@@ -494,4 +533,6 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
         if prog.compiled is None:
             prog.compiled = torch.compile(prog.gm, dynamic=False)
         run = prog.compiled
-    return _rebuild(prog, run(*_inputs(leaves, slot_values)))
+    with torch.set_grad_enabled(torch.is_grad_enabled()):  # restored even if the replay raises midway
+        outs = run(*_inputs(leaves, slot_values))
+    return _rebuild(prog, outs)

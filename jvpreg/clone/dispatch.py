@@ -15,6 +15,7 @@ Order of resolution for ``func(*args, **kwargs)`` with at least one clone argume
 from __future__ import annotations
 
 import contextlib
+import types
 import warnings
 from typing import Any, Callable
 
@@ -24,11 +25,16 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .registry import HANDLERS, REENTRANT, op_name
 from . import tensor as tensor_module
-from .tensor import CloneTensor, is_clone, tile, wrap, wrap_tree
+from .tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap, wrap_tree
 
 
 class UnsupportedOpError(NotImplementedError):
     """An op that the clone engine cannot linearise exactly."""
+
+
+class BatchWriteError(UnsupportedOpError):
+    """An in-place write of batch data into a tensor created outside the batch (a plain tensor cannot hold
+    the blocks)."""
 
 
 class JVPFallbackWarning(UserWarning):
@@ -37,6 +43,18 @@ class JVPFallbackWarning(UserWarning):
 
 _FALLBACK = {"mode": "jvp"}  # "jvp" (exact fallback, warn once) | "error"
 _WARNED: set = set()
+_RECORD: list = []  # stack of lists collecting the names of ops that took the fallback (record_fallbacks)
+
+
+@contextlib.contextmanager
+def record_fallbacks():
+    """Collect the names of the ops that run through the exact fallback inside the block (yields a list)."""
+    seen: list = []
+    _RECORD.append(seen)
+    try:
+        yield seen
+    finally:
+        _RECORD.remove(seen)
 
 
 def set_fallback(mode: str) -> None:
@@ -85,6 +103,11 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
             f"jvpreg clone mode: {op_name(func)}(..., out=...) is not supported; use the out-of-place form "
             "(a batch tensor cannot be written into a preallocated `out`)."
         )
+    a0 = args[0] if args else None
+    if type(a0) is CloneTensor and _inplace_name(func) is None:
+        with DisableTorchFunctionSubclass():
+            if a0.numel() == 0:  # an empty batch input: the op is constant in it (zero tangent)
+                return _empty_input(func, args, kwargs)
     handler = HANDLERS.get(func)
     if handler is not None:
         if func in REENTRANT:
@@ -94,10 +117,40 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
     body = decomposition(func)
     if body is not None:  # a Python-level torch op: run its body op by op on the clone batch
         return body(*args, **kwargs)
+    if _inplace_name(func) is not None:  # the out-of-place op is dispatched as a call of its own
+        return generic_inplace(func, args, kwargs)
     with DisableTorchFunctionSubclass():
         if _is_getter(func):  # attributes not listed elsewhere (is_nested, ...): the primal's answer
-            return func(args[0][0])
+            out = func(args[0][0])
+            if isinstance(out, torch.Tensor):  # a tensor-valued attribute: its tangent is unknown here
+                name = op_name(func)
+                raise UnsupportedOpError(
+                    f"jvpreg clone mode has no rule for the tensor attribute {name}. Register one with "
+                    f"`jvpreg.clone.register_handler({name.split(' ')[0]}.__get__)`; see jvpreg/clone/structural.py "
+                    "(`.real`, `.H`) for examples.")
+            return out
         return generic(func, args, kwargs)
+
+
+def _empty_input(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``func`` whose first (batch) argument has no elements: nothing of the output can depend on it, so
+    the op runs once on the primal blocks and every block repeats it (zero tangent); other varying
+    clone arguments (a weight) still get their exact tangents through the fallback."""
+    flat, spec, idx = _flat_clones(args, kwargs)
+    if all(flat[i]._jvp_state or flat[i].numel() == 0 or not _is_float(flat[i]) for i in idx):
+        return state_eval(func, args, kwargs)
+    handler = HANDLERS.get(func)
+    return handler(func, args, kwargs) if handler is not None and func not in REENTRANT else fallback(func, args, kwargs)
+
+
+def without_torch_function_guard(fn: Callable) -> Callable:
+    """A copy of a Python op whose ``has_torch_function`` guard is off, so its body runs op by op."""
+    g = dict(fn.__globals__)
+    for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
+        g[name] = lambda *a, **k: False
+    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new
 
 
 _DECOMPOSED: dict = {}
@@ -115,9 +168,7 @@ def decomposition(func: Callable) -> Callable | None:
     code = getattr(func, "__code__", None)
     if (code is not None and getattr(func, "__module__", None) in ("torch.nn.functional", "torch.functional")
             and any(n.startswith("has_torch_function") for n in code.co_names)):
-        from .rules.attention import _without_torch_function_guard
-
-        body = _without_torch_function_guard(func)
+        body = without_torch_function_guard(func)
     try:
         _DECOMPOSED[func] = body
     except TypeError:
@@ -143,30 +194,23 @@ def _inplace_name(func: Callable) -> str | None:
     return None
 
 
-def generic(func: Callable, args: tuple, kwargs: dict) -> Any:
-    if kwargs.get("out") is not None:
-        raise UnsupportedOpError(
-            f"jvpreg clone mode: {op_name(func)}(..., out=...) is not supported; use the out-of-place form."
-        )
-    oop_name = _inplace_name(func)
-    if oop_name is not None:
-        oop = getattr(torch.Tensor, oop_name, None) or getattr(torch, oop_name, None)
-        if oop is None:
-            raise UnsupportedOpError(f"jvpreg clone mode: no out-of-place form of in-place op {op_name(func)}.")
-        from .registry import detached_target
+def generic_inplace(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """An in-place op without a handler: its out-of-place op (dispatched as a call of its own, so rules
+    written with torch-function on work too), written back into the target."""
+    from .registry import detached_target, write_back
 
-        target = args[0]
-        result = dispatch(oop, detached_target(args, kwargs), kwargs)
-        if not is_clone(target):
-            raise RuntimeError(
-                f"jvpreg clone mode: {op_name(func)} would write batch data into a tensor created outside "
-                "the batch. Create that tensor from the batch (e.g. torch.zeros_like(h) or h.new_zeros(...)) "
-                "or collect the pieces with torch.stack/torch.cat."
-            )
-        with DisableTorchFunctionSubclass():
-            target.copy_(result)
-        target._jvp_state = bool(result._jvp_state) if is_clone(result) else False
-        return target
+    oop = getattr(torch.Tensor, _inplace_name(func), None) or getattr(torch, _inplace_name(func), None)
+    if oop is None:
+        raise UnsupportedOpError(
+            f"jvpreg clone mode: no out-of-place form of in-place op {op_name(func)}. "
+            f"{_how_to_register(func, op_name(func))}")
+    target = args[0]
+    if not is_clone(target):
+        return write_back(func, target, None)  # raises: a plain tensor cannot hold the blocks
+    return write_back(func, target, dispatch(oop, detached_target(args, kwargs), kwargs))
+
+
+def generic(func: Callable, args: tuple, kwargs: dict) -> Any:
     flat, spec, idx = _flat_clones(args, kwargs)
     if all(flat[i]._jvp_state for i in idx):
         return state_eval(func, args, kwargs)
@@ -263,14 +307,13 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
 
     if not diff:
         return state_eval(func, args, kwargs)
-
-    # Cheap probe-free path for queries that return no tensor (shape, dtype, item...):
-    # run on block 0 first only when the op is known to be a query.
     if tensor_module._CAPTURING[0] is not None:
         from .capture import CaptureError
 
         raise CaptureError(f"{name} has no clone rule and its exact per-op fallback (torch.func.jvp) runs "
                            "eagerly only")
+    for seen in _RECORD:
+        seen.append(name)
     if _FALLBACK["mode"] == "error":
         raise UnsupportedOpError(
             f"jvpreg clone mode has no rule for {name} and the fallback is disabled "
@@ -298,7 +341,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
         for j in range(1, k):
             if rng is not None:
                 _set_rng_state(rng, device)
-            tangents = tuple(_dense(flat[i][j] - flat[i][0]) for i in diff)
+            tangents = tuple(_dense(block_delta(flat[i][j], flat[i][0])) for i in diff)
             if isinstance(func, torch._ops.OpOverload) or isinstance(func, torch._ops.OpOverloadPacket):
                 t_fl, out = _forward_ad_checked(g, primals, tangents, name)
             else:
@@ -329,9 +372,9 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     pos = 0
     for leaf in leaves:
         if _is_float(leaf):
-            blocks = [leaf] + [leaf + t[pos] for t in tangent_outs]
+            tail = torch.stack([leaf + t[pos] for t in tangent_outs])
             pos += 1
-            new_leaves.append(wrap(torch.stack(blocks)))
+            new_leaves.append(wrap(stack_blocks(leaf, tail)))
         elif isinstance(leaf, torch.Tensor):
             new_leaves.append(wrap(tile(leaf, k), state=True))
         else:

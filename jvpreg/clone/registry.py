@@ -26,6 +26,7 @@ Users add a rule for their own op the same way::
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, Dict, Iterable
 
@@ -83,18 +84,69 @@ def register_handler(*funcs: Any, reentrant: bool = False) -> Callable[[Handler]
     return deco
 
 
-def _finish(out: Any, args: tuple, kwargs: dict, inplace: bool) -> Any:
+_ALIASES = {"self": "input"}  # Tensor methods name their first argument `self`, torch functions `input`
+
+
+def register_op(*funcs: Any, aliases: Dict[str, str] | None = None, reentrant: bool = False):
+    """Register ``handler(func, <the op's parameters>)`` with its arguments bound by signature.
+
+    The handler declares the op's parameters under torch's own names (``input`` for the tensor,
+    whichever of ``self``/``input`` the caller used) and Python binds positional and keyword calls
+    alike: ``x.narrow(dim=1, start=0, length=2)`` and ``torch.narrow(x, 1, 0, 2)`` reach the handler
+    the same way. ``aliases`` maps other keyword spellings of an overload (``axis0``) to the
+    handler's names. Binding costs one dict comprehension, and only when keywords were passed.
+    """
+    names = dict(_ALIASES, **(aliases or {}))
+
+    def deco(h: Callable) -> Callable:
+        @functools.wraps(h)
+        def handler(func, args, kwargs):
+            if kwargs:
+                kwargs = {names.get(k, k): v for k, v in kwargs.items()}
+            return h(func, *args, **kwargs)
+
+        register_handler(*funcs, reentrant=reentrant)(handler)
+        return h
+
+    return deco
+
+
+def write_back(func: Any, target: Any, out: Any) -> Any:
+    """The in-place half of an in-place op: copy the out-of-place result into ``target``.
+
+    The one place where in-place writes into clones happen (rules, the generic path): the target must
+    be a clone, a plain tensor cannot hold the blocks.
+    """
+    from .dispatch import BatchWriteError
+
+    if not is_clone(target):
+        raise BatchWriteError(
+            f"jvpreg clone mode: {op_name(func)} would write batch data into a tensor created outside the "
+            "batch. Create that tensor from the batch (e.g. torch.zeros_like(h) or h.new_zeros(...)) or use the "
+            "out-of-place op (collect pieces with torch.stack/torch.cat)."
+        )
+    from torch._C import DisableTorchFunctionSubclass
+
+    with DisableTorchFunctionSubclass():
+        src = out.as_subclass(torch.Tensor) if is_clone(out) else out
+        if src.dim() < target.dim():  # a logical broadcast: blocks first
+            src = src.reshape(src.shape[0], *([1] * (target.dim() - src.dim())), *src.shape[1:])
+        if src.dim() > target.dim() or any(s not in (1, t) for s, t in zip(src.shape[1:], target.shape[1:])):
+            from .dispatch import UnsupportedOpError
+
+            raise UnsupportedOpError(
+                f"jvpreg clone mode: {op_name(func)} would resize its target from {tuple(target.shape[1:])} to "
+                f"{tuple(src.shape[1:])}; a batch tensor cannot be resized in place. Use the out-of-place op.")
+        target.copy_(src)
+    target._jvp_state = bool(out._jvp_state) if is_clone(out) else False
+    return target
+
+
+def _finish(out: Any, args: tuple, kwargs: dict, inplace: bool, func: Any = None) -> Any:
     if not inplace:
         return wrap_tree(out, wrap)
     target = args[0] if args else kwargs.get("input", kwargs.get("self"))
-    if not is_clone(target):
-        raise RuntimeError(
-            "jvpreg clone mode: an in-place op would write batch data into a tensor created "
-            "outside the batch; create it from the batch (e.g. torch.zeros_like(h)) instead."
-        )
-    target.copy_(out)
-    target._jvp_state = False
-    return target
+    return write_back(func, target, out)
 
 
 def detached_target(args: tuple, kwargs: dict, needed: bool = True) -> tuple:
@@ -134,7 +186,8 @@ def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str |
                 no_grad_inplace(target, *args[1:], **kwargs)
                 target._jvp_state = False
                 return target
-            return _finish(rule(*detached_target(args, kwargs, not inplace_safe), **kwargs), args, kwargs, True)
+            return _finish(rule(*detached_target(args, kwargs, not inplace_safe), **kwargs), args, kwargs, True,
+                           funcs[0] if funcs else rule)
 
         def out_of_place(func, args, kwargs):
             is_ip = False
@@ -150,6 +203,8 @@ def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str |
         def in_place(func, args, kwargs):
             return run_in_place(args, {k: v for k, v in kwargs.items() if k != inplace_kwarg})
 
+        functools.wraps(rule)(out_of_place)
+        functools.wraps(rule)(in_place)
         for f in _existing(funcs):
             HANDLERS[f] = out_of_place
         for f in inplace:
@@ -166,6 +221,14 @@ def register_state(*funcs: Any) -> None:
 
     for f in _existing(funcs):
         HANDLERS[f] = state_eval
+
+
+def rule_for(func: Any) -> Callable | None:
+    """The rule or handler function registered for a torch function (unwrapped from the registry's
+    binding and in-place wrappers, ``__wrapped__``), or ``None``: then the op takes the generic path
+    (state evaluation, or the exact fallback)."""
+    h = HANDLERS.get(func)
+    return None if h is None else inspect.unwrap(h)
 
 
 def maybe(obj: Any, name: str) -> Any:

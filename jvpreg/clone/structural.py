@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_unflatten
 
-from .dispatch import _flat_clones, per_block, state_eval, fallback
-from .registry import maybe, register_handler, register_state
 from . import tensor as tensor_module
+from .dispatch import BatchWriteError, _flat_clones, per_block, state_eval, fallback
+from .registry import maybe, register_handler, register_op, register_state
 from .tensor import CloneTensor, any_clone, is_clone, phys_dim, tile, wrap, wrap_tree
 
 T = torch.Tensor
@@ -75,6 +75,8 @@ def _hash(func, args, kwargs):
 def _on_phys(func, args, kwargs):
     kwargs = {k: v for k, v in kwargs.items() if k != "memory_format"}
     x = args[0]
+    if not is_clone(x) or any_clone(args[1:], kwargs):  # a clone as a dtype/device template (t.to(h))
+        return _as_template(func, args, kwargs)
     out = func(x.as_subclass(torch.Tensor), *args[1:], **kwargs)
     if out is None:
         return None
@@ -99,6 +101,13 @@ def _on_self(func, args, kwargs):
     return func(*args, **kwargs)
 
 
+@register_handler(T.real.__get__, T.imag.__get__)
+def _real_imag(func, args, kwargs):
+    """``.real`` / ``.imag`` act on every block alike (linear over the reals)."""
+    x = args[0]
+    return wrap(func(x.as_subclass(torch.Tensor)), state=x._jvp_state)
+
+
 @register_handler(T.detach, torch.detach, T.data.__get__)
 def _detach(func, args, kwargs):
     """``detach()`` makes a constant: the primal value in every block (zero tangent), as in torch.func."""
@@ -106,10 +115,20 @@ def _detach(func, args, kwargs):
     return wrap(tile(x[0].detach(), x.shape[0]), state=True)
 
 
+def _as_template(func, args, kwargs):
+    """``t.to(h)``, ``t.type_as(h)``: a clone argument other than the input only lends its dtype and device
+    (its primal block stands in for it); the input keeps its blocks, or stays plain."""
+    x = args[0]
+    rest = tuple(a[0] if is_clone(a) else a for a in args[1:])
+    kw = {k: (v[0] if is_clone(v) else v) for k, v in kwargs.items()}
+    if not is_clone(x):
+        return func(x, *rest, **kw)
+    return wrap(func(x.as_subclass(torch.Tensor), *rest, **kw), state=x._jvp_state)
+
+
 @register_handler(T.type_as)
 def _type_as(func, args, kwargs):
-    x, other = args[0], args[1]
-    return wrap(x.as_subclass(torch.Tensor).to(other.dtype), state=x._jvp_state)
+    return _as_template(func, args, kwargs)
 
 
 @register_handler(T.detach_)
@@ -163,7 +182,7 @@ def elementwise(func, args, kwargs):
 def elementwise_inplace(func, args, kwargs):
     target = args[0]
     if not is_clone(target):
-        raise RuntimeError(
+        raise BatchWriteError(
             f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
             "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) "
             "or use the out-of-place op."
@@ -180,19 +199,43 @@ register_handler(
     torch.add, T.add, T.__add__, T.__radd__, torch.sub, T.sub, T.__sub__, T.__rsub__, torch.rsub,
     maybe(torch, "subtract"), maybe(T, "subtract"), torch.neg, T.neg, T.__neg__, maybe(torch, "negative"),
     maybe(T, "negative"), maybe(torch, "positive"), maybe(T, "positive"), maybe(T, "__pos__"),
-    torch.where, T.where, torch.masked_fill, T.masked_fill,
+    torch.where, T.where,
 )(elementwise)
-register_handler(T.add_, T.__iadd__, T.sub_, T.__isub__, T.neg_, T.masked_fill_, maybe(T, "subtract_"))(
-    elementwise_inplace
-)
 
 
-@register_handler(torch.lerp, T.lerp)
-def _lerp(func, args, kwargs):
-    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+@register_op(torch.masked_fill, T.masked_fill)
+def _masked_fill(func, input, mask, value):
+    """masked_fill(x, m, v) = where(m, v, x): affine in x and in a (0-dim) tensor value alike."""
+    if is_clone(value):
+        if not is_clone(input):
+            input = wrap(tile(input, _k(value)), state=True)
+        return elementwise(torch.where, (mask, value, input), {})
+    return elementwise(func, (input, mask, value), {})
+
+
+@register_op(torch.index_fill, T.index_fill)
+def _index_fill(func, input, dim, index, value):
+    """index_fill: per block; a varying tensor value goes through the exact fallback."""
+    if is_clone(value) and not value._jvp_state:
+        return fallback(func, (input, dim, index, value), {})
+    return per_block(func, (input, dim, index, value), {})
+register_handler(T.add_, T.__iadd__, T.sub_, T.__isub__, T.neg_, maybe(T, "subtract_"))(elementwise_inplace)
+
+
+@register_op(T.masked_fill_)
+def _masked_fill_(func, input, mask, value):
+    if is_clone(value):  # a batch value: out of place, written back
+        from .registry import write_back
+
+        return write_back(func, input, _masked_fill(torch.masked_fill, input, mask, value))
+    return elementwise_inplace(func, (input, mask, value), {})
+
+
+@register_op(torch.lerp, T.lerp, aliases={"end": "end"})
+def _lerp(func, input, end, weight):
     if is_clone(weight) and not weight._jvp_state:
-        return fallback(func, args, kwargs)
-    return elementwise(func, args, kwargs)
+        return fallback(func, (input, end, weight), {})
+    return elementwise(func, (input, end, weight), {})
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,7 +261,9 @@ def _linear_reduce(func, args, kwargs):
     if rest or isinstance(dim, str):
         return fallback(func, args, kwargs)
     n = _lnd(x)
-    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+    if n == 0:  # a logical scalar: any dim (0 or -1) leaves it as it is
+        dims = ()
+    elif dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
         dims = tuple(range(1, n + 1))
     elif isinstance(dim, int):
         dims = (phys_dim(dim, n),)
@@ -232,12 +277,13 @@ def _linear_reduce(func, args, kwargs):
     return wrap(out, state=x._jvp_state)
 
 
-@register_handler(torch.cumsum, T.cumsum)
-def _cumsum(func, args, kwargs):
-    x = args[0]
-    dim = args[1] if len(args) > 1 else kwargs["dim"]
-    kw = {k: v for k, v in kwargs.items() if k != "dim"}
-    return wrap(torch.cumsum(x.as_subclass(torch.Tensor), phys_dim(dim, _lnd(x)), **kw), state=x._jvp_state)
+@register_op(torch.cumsum, T.cumsum)
+def _cumsum(func, input, dim, *, dtype=None):
+    if _lnd(input) == 0:
+        phys_dim(dim, 0)  # validates dim
+        return wrap(input.as_subclass(torch.Tensor).to(dtype or input.dtype, copy=True), state=input._jvp_state)
+    return wrap(torch.cumsum(input.as_subclass(torch.Tensor), phys_dim(dim, _lnd(input)), dtype=dtype),
+                state=input._jvp_state)
 
 
 # ---------------------------------------------------------------------------------------
@@ -250,31 +296,36 @@ def _shape_args(args: Sequence[Any]) -> tuple:
     return tuple(args)
 
 
-@register_handler(T.view, T.reshape, torch.reshape)
-def _reshape(func, args, kwargs):
-    x = args[0]
-    if len(args) == 2 and isinstance(args[1], torch.dtype) or "dtype" in kwargs:
-        return wrap(x.as_subclass(torch.Tensor).view(args[1] if len(args) == 2 else kwargs["dtype"]), x._jvp_state)
-    shape = _shape_args(args[1:]) if len(args) > 1 else tuple(kwargs.get("shape", kwargs.get("size")))
-    p = x.as_subclass(torch.Tensor)
+@register_op(T.view, T.reshape, torch.reshape, aliases={"size": "shape", "dtype": "shape"})
+def _reshape(func, input, *shape):
+    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+        return wrap(input.as_subclass(torch.Tensor).view(shape[0]), input._jvp_state)
+    p = input.as_subclass(torch.Tensor)
     method = p.view if func is T.view else p.reshape
-    return wrap(method(_k(x), *shape), state=x._jvp_state)
+    return wrap(method(_k(input), *_shape_args(shape)), state=input._jvp_state)
 
 
-@register_handler(T.view_as, T.reshape_as)
-def _reshape_as(func, args, kwargs):
-    x, other = args[0], args[1] if len(args) > 1 else kwargs["other"]
-    shape = other.shape[1:] if is_clone(other) else other.shape
-    p = x.as_subclass(torch.Tensor)
+def _logical_shape(t: torch.Tensor) -> tuple:
+    """The shape user code sees (a clone used only for its shape reports its logical shape)."""
+    return tuple(t.shape[1:]) if is_clone(t) else tuple(t.shape)
+
+
+@register_op(T.view_as, T.reshape_as, T.expand_as)
+def _reshape_as(func, input, other):
+    """view_as/reshape_as/expand_as: ``other`` may be a clone used for its (logical) shape only."""
+    shape = _logical_shape(other)
+    if not is_clone(input):  # only the shape comes from the batch: a plain result
+        return getattr(input, func.__name__[:-3])(shape)
+    if func is T.expand_as:
+        return _expand(T.expand, input, shape)
+    p = input.as_subclass(torch.Tensor)
     method = p.view if func is T.view_as else p.reshape
-    return wrap(method(_k(x), *shape), state=x._jvp_state)
+    return wrap(method(_k(input), *shape), state=input._jvp_state)
 
 
-@register_handler(torch.flatten, T.flatten)
-def _flatten(func, args, kwargs):
-    x = args[0]
-    start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
-    end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)
+@register_op(torch.flatten, T.flatten)
+def _flatten(func, input, start_dim=0, end_dim=-1):
+    x, start, end = input, start_dim, end_dim
     n = _lnd(x)
     p = x.as_subclass(torch.Tensor)
     if n == 0:
@@ -282,38 +333,36 @@ def _flatten(func, args, kwargs):
     return wrap(p.flatten(phys_dim(start, n), phys_dim(end, n)), state=x._jvp_state)
 
 
-@register_handler(torch.unflatten, T.unflatten)
-def _unflatten(func, args, kwargs):
-    x = args[0]
-    dim = args[1] if len(args) > 1 else kwargs["dim"]
-    sizes = args[2] if len(args) > 2 else kwargs["sizes"]
+@register_op(torch.unflatten, T.unflatten)
+def _unflatten(func, input, dim, sizes):
+    x = input
     return wrap(x.as_subclass(torch.Tensor).unflatten(phys_dim(dim, _lnd(x)), sizes), state=x._jvp_state)
 
 
-@register_handler(torch.permute, T.permute)
-def _permute(func, args, kwargs):
-    x = args[0]
-    dims = _shape_args(args[1:]) if len(args) > 1 else tuple(kwargs["dims"])
+@register_op(torch.permute, T.permute)
+def _permute(func, input, *dims):
+    x, dims = input, _shape_args(dims)
     n = _lnd(x)
     return wrap(x.as_subclass(torch.Tensor).permute(0, *[phys_dim(d, n) for d in dims]), state=x._jvp_state)
 
 
-@register_handler(torch.transpose, T.transpose, maybe(torch, "swapaxes"), maybe(T, "swapaxes"),
-                  maybe(torch, "swapdims"), maybe(T, "swapdims"))
-def _transpose(func, args, kwargs):
-    x = args[0]
-    d0 = args[1] if len(args) > 1 else kwargs.get("dim0", kwargs.get("axis0"))
-    d1 = args[2] if len(args) > 2 else kwargs.get("dim1", kwargs.get("axis1"))
+@register_op(torch.transpose, T.transpose, maybe(torch, "swapaxes"), maybe(T, "swapaxes"),
+             maybe(torch, "swapdims"), maybe(T, "swapdims"), aliases={"axis0": "dim0", "axis1": "dim1"})
+def _transpose(func, input, dim0, dim1):
+    x, d0, d1 = input, dim0, dim1
     n = _lnd(x)
     return wrap(x.as_subclass(torch.Tensor).transpose(phys_dim(d0, n), phys_dim(d1, n)), state=x._jvp_state)
 
 
-@register_handler(torch.t, T.t, T.T.__get__, T.mT.__get__, maybe(T, "mH").__get__ if hasattr(T, "mH") else None)
+@register_handler(torch.t, T.t, T.T.__get__, T.mT.__get__, T.mH.__get__, T.H.__get__)
 def _t(func, args, kwargs):
+    """t / .T / .mT (transposes) and .mH / .H (their conjugates)."""
     x = args[0]
     n = _lnd(x)
     p = x.as_subclass(torch.Tensor)
-    if func == T.mT.__get__ or (hasattr(T, "mH") and func == T.mH.__get__):
+    if func == T.mH.__get__ or func == T.H.__get__:
+        p = p.conj()
+    if func == T.mT.__get__ or func == T.mH.__get__:
         out = p.transpose(-1, -2)
     elif n < 2:
         out = p
@@ -322,29 +371,25 @@ def _t(func, args, kwargs):
     return wrap(out, state=x._jvp_state)
 
 
-@register_handler(torch.movedim, T.movedim, maybe(torch, "moveaxis"), maybe(T, "moveaxis"))
-def _movedim(func, args, kwargs):
-    x = args[0]
-    src = args[1] if len(args) > 1 else kwargs["source"]
-    dst = args[2] if len(args) > 2 else kwargs["destination"]
+@register_op(torch.movedim, T.movedim, maybe(torch, "moveaxis"), maybe(T, "moveaxis"))
+def _movedim(func, input, source, destination):
+    x, src, dst = input, source, destination
     n = _lnd(x)
     src = phys_dim(src, n) if isinstance(src, int) else [phys_dim(d, n) for d in src]
     dst = phys_dim(dst, n) if isinstance(dst, int) else [phys_dim(d, n) for d in dst]
     return wrap(x.as_subclass(torch.Tensor).movedim(src, dst), state=x._jvp_state)
 
 
-@register_handler(torch.unsqueeze, T.unsqueeze)
-def _unsqueeze(func, args, kwargs):
-    x = args[0]
-    dim = args[1] if len(args) > 1 else kwargs["dim"]
+@register_op(torch.unsqueeze, T.unsqueeze)
+def _unsqueeze(func, input, dim):
+    x = input
     n = _lnd(x) + 1
     return wrap(x.as_subclass(torch.Tensor).unsqueeze(phys_dim(dim, n)), state=x._jvp_state)
 
 
-@register_handler(torch.squeeze, T.squeeze)
-def _squeeze(func, args, kwargs):
-    x = args[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+@register_op(torch.squeeze, T.squeeze)
+def _squeeze(func, input, dim=None):
+    x = input
     n = _lnd(x)
     p = x.as_subclass(torch.Tensor)
     if n == 0:
@@ -361,10 +406,9 @@ def _squeeze(func, args, kwargs):
     return wrap(p, state=x._jvp_state)
 
 
-@register_handler(T.expand)
-def _expand(func, args, kwargs):
-    x = args[0]
-    sizes = _shape_args(args[1:]) if len(args) > 1 else tuple(kwargs["size"])
+@register_op(T.expand)
+def _expand(func, input, *size, implicit=False):
+    x, sizes = input, _shape_args(size)
     p = x.as_subclass(torch.Tensor)
     n = _lnd(x)
     if len(sizes) > n:  # new leading dims go after the block dim
@@ -372,43 +416,75 @@ def _expand(func, args, kwargs):
     return wrap(p.expand(_k(x), *sizes), state=x._jvp_state)
 
 
-@register_handler(T.expand_as)
-def _expand_as(func, args, kwargs):
-    x, other = args[0], args[1]
-    shape = other.shape[1:] if is_clone(other) else other.shape
-    return _expand(T.expand, (x, tuple(shape)), {})
-
-
-@register_handler(torch.narrow, T.narrow)
-def _narrow(func, args, kwargs):
-    x, dim, start, length = args[0], args[1], args[2], args[3]
+@register_op(torch.narrow, T.narrow)
+def _narrow(func, input, dim, start, length):
+    x = input
     return wrap(x.as_subclass(torch.Tensor).narrow(phys_dim(dim, _lnd(x)), start, length), state=x._jvp_state)
 
 
-@register_handler(torch.select, T.select)
-def _select(func, args, kwargs):
-    x, dim, index = args[0], args[1], args[2]
+@register_op(torch.select, T.select)
+def _select(func, input, dim, index):
+    x = input
     return wrap(x.as_subclass(torch.Tensor).select(phys_dim(dim, _lnd(x)), index), state=x._jvp_state)
 
 
-@register_handler(torch.split, T.split, torch.chunk, T.chunk, torch.unbind, T.unbind, maybe(torch, "tensor_split"),
-                  maybe(T, "tensor_split"), maybe(T, "split_with_sizes"), maybe(torch, "split_with_sizes"))
-def _split(func, args, kwargs):
-    x = args[0]
+@register_op(torch.split, T.split, torch.chunk, T.chunk, torch.unbind, T.unbind, maybe(torch, "tensor_split"),
+             maybe(T, "tensor_split"), maybe(T, "split_with_sizes"), maybe(torch, "split_with_sizes"),
+             aliases={k: "what" for k in ("split_size_or_sections", "split_size", "chunks", "sections", "indices",
+                                          "tensor_indices_or_sections", "split_sizes", "indices_or_sections")})
+def _split(func, input, what=None, dim=0):
+    x = input
     name = func.__name__
     n = _lnd(x)
     p = x.as_subclass(torch.Tensor)
-    if name == "unbind":
-        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-        outs = p.unbind(phys_dim(dim, n))
+    if name == "unbind":  # unbind(input, dim=0)
+        outs = p.unbind(phys_dim(what if what is not None else dim, n))
     else:
-        what = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("split_size",
-                   kwargs.get("chunks", kwargs.get("sections", kwargs.get("indices", kwargs.get("split_sizes"))))))
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-        if torch.is_tensor(what):
-            return fallback(func, args, kwargs)
+        if is_clone(what):
+            return fallback(func, (input, what, dim), {})
         outs = getattr(p, name)(what, phys_dim(dim, n))
     return tuple(wrap(o, state=x._jvp_state) for o in outs)
+
+
+@register_op(torch.as_strided, T.as_strided)
+def _as_strided(func, input, size, stride, storage_offset=None):
+    """as_strided on the primal's storage layout, repeated at every block's slab (block stride).
+
+    Exact only when block j's data sits ``j * stride(0)`` after block 0's and the requested window stays
+    inside block 0's slab; otherwise the exact fallback.
+    """
+    p = input.as_subclass(torch.Tensor)
+    bs = p.stride(0)
+    off = p.storage_offset() if storage_offset is None else storage_offset
+    lo = off + sum(min(0, (n - 1) * st) for n, st in zip(size, stride))
+    hi = off + sum(max(0, (n - 1) * st) for n, st in zip(size, stride))
+    slab = p.storage_offset() - p.storage_offset() % bs if bs > 0 else 0
+    if bs <= 0 or lo < slab or hi >= slab + bs or any(n == 0 for n in size):
+        return fallback(func, (input, size, stride, storage_offset), {})
+    return wrap(p.as_strided((_k(input), *size), (bs, *stride), off), state=input._jvp_state)
+
+
+_INPLACE_VIEWS = {T.squeeze_: T.squeeze, T.unsqueeze_: T.unsqueeze, T.transpose_: T.transpose, T.t_: T.t,
+                  maybe(T, "swapaxes_"): maybe(T, "swapaxes"), maybe(T, "swapdims_"): maybe(T, "swapdims"),
+                  T.as_strided_: T.as_strided}
+
+
+@register_handler(*_INPLACE_VIEWS)
+def _inplace_view(func, args, kwargs):
+    """In-place view ops (squeeze_, t_, as_strided_...) change the geometry, not the values: the clone
+    takes the geometry of the out-of-place view (a view of its own storage), or its values if the
+    out-of-place op had to copy."""
+    from .registry import HANDLERS
+
+    x = args[0]
+    oop = _INPLACE_VIEWS[func]
+    v = HANDLERS[oop](oop, args, kwargs).as_subclass(torch.Tensor)
+    if v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        torch.Tensor.as_strided_(x, v.size(), v.stride(), v.storage_offset())
+    else:  # pragma: no cover - a copying fallback: take its storage
+        with torch.no_grad():
+            x.set_(v.detach())
+    return x
 
 
 def _as_block_tensor(t: Any, k: int) -> torch.Tensor:
@@ -417,10 +493,9 @@ def _as_block_tensor(t: Any, k: int) -> torch.Tensor:
     return t.unsqueeze(0).expand(k, *t.shape)
 
 
-@register_handler(torch.cat, maybe(torch, "concat"), maybe(torch, "concatenate"))
-def _cat(func, args, kwargs):
-    tensors = list(args[0]) if args else list(kwargs["tensors"])
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+@register_op(torch.cat, maybe(torch, "concat"), maybe(torch, "concatenate"), aliases={"axis": "dim"})
+def _cat(func, tensors, dim=0):
+    tensors = list(tensors)
     clones = [t for t in tensors if is_clone(t)]
     k = _k(clones[0])
     n = _lnd(clones[0])
@@ -428,17 +503,59 @@ def _cat(func, args, kwargs):
     return wrap(torch.cat(parts, phys_dim(dim, n)), state=_state_of(*clones))
 
 
-@register_handler(torch.stack, maybe(torch, "hstack"), maybe(torch, "vstack"), maybe(torch, "dstack"))
-def _stack(func, args, kwargs):
-    tensors = list(args[0]) if args else list(kwargs["tensors"])
+@register_op(torch.stack, maybe(torch, "hstack"), maybe(torch, "vstack"), maybe(torch, "dstack"),
+             maybe(torch, "column_stack"), maybe(torch, "row_stack"))
+def _stack(func, tensors, dim=0):
+    """stack on the logical dim; hstack/vstack/dstack/column_stack/row_stack as their definitions
+    (atleast_nd, then cat), which run through the clone handlers."""
+    tensors = list(tensors)
+    if func is not torch.stack:
+        return _STACK_DEFS[func.__name__](tensors)
     clones = [t for t in tensors if is_clone(t)]
     k = _k(clones[0])
-    if func is not torch.stack:
-        return per_block(func, args, kwargs)
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     n = _lnd(clones[0]) + 1
     parts = [_as_block_tensor(t, k) for t in tensors]
     return wrap(torch.stack(parts, phys_dim(dim, n)), state=_state_of(*clones))
+
+
+def _atleast(t: Any, n: int) -> Any:
+    """``torch.atleast_{n}d`` on the logical shape of a clone (plain tensors as torch does)."""
+    if not is_clone(t):
+        return getattr(torch, f"atleast_{n}d")(t)
+    ln, p = _lnd(t), t.as_subclass(torch.Tensor)
+    if ln >= n:
+        return t
+    lead = p.shape[1:]
+    shape = {0: (1,) * n, 1: ((1,) + tuple(lead) + (1,) * (n - 2))[:n] if n > 1 else tuple(lead),
+             2: tuple(lead) + (1,)}[ln]
+    return wrap(p.reshape(_k(t), *shape), state=t._jvp_state)
+
+
+def _hstack(ts):
+    ts = [_atleast(t, 1) for t in ts]
+    dim = 0 if all((_lnd(t) if is_clone(t) else t.dim()) == 1 for t in ts) else 1
+    return _cat(torch.cat, ts, dim)
+
+
+def _column_stack(ts):
+    cols = []
+    for t in ts:
+        nd = _lnd(t) if is_clone(t) else t.dim()
+        if nd <= 1:
+            n = (t.shape[1] if nd == 1 else 1) if is_clone(t) else t.numel()
+            t = wrap(t.as_subclass(torch.Tensor).reshape(_k(t), n, 1), state=t._jvp_state) if is_clone(t) \
+                else t.reshape(n, 1)
+        cols.append(t)
+    return _cat(torch.cat, cols, 1)
+
+
+_STACK_DEFS = {
+    "hstack": _hstack,
+    "vstack": lambda ts: _cat(torch.cat, [_atleast(t, 2) for t in ts], 0),
+    "row_stack": lambda ts: _cat(torch.cat, [_atleast(t, 2) for t in ts], 0),
+    "dstack": lambda ts: _cat(torch.cat, [_atleast(t, 3) for t in ts], 2),
+    "column_stack": _column_stack,
+}
 
 
 def _basic_index(idx: Any) -> bool:
@@ -467,14 +584,16 @@ def _iter(func, args, kwargs):
 # Affine in the batch tensor for fixed indices/masks (index tensors may be state clones): per block.
 _PER_BLOCK = [
     "gather", "index_select", "take_along_dim", "scatter", "scatter_add", "index_add", "index_copy",
-    "index_fill", "masked_scatter", "masked_select", "take", "roll", "flip", "fliplr", "flipud", "rot90",
+    "masked_scatter", "masked_select", "take", "roll", "flip", "fliplr", "flipud", "rot90",
     "tril", "triu", "diagonal", "diag", "diag_embed", "repeat", "repeat_interleave", "tile", "narrow_copy",
     "unfold", "trace", "diff", "index_put", "block_diag", "atleast_1d", "atleast_2d", "atleast_3d",
-    "conj", "real", "imag", "view_as_real", "view_as_complex", "nan_to_num", "column_stack", "row_stack",
+    "conj", "real", "imag", "view_as_real", "view_as_complex", "nan_to_num",
     "broadcast_tensors", "broadcast_to",
 ]
-register_handler(*[maybe(torch, n) for n in _PER_BLOCK], *[maybe(T, n) for n in _PER_BLOCK])(
-    lambda func, args, kwargs: per_block(func, args, kwargs))
+@register_handler(*[maybe(torch, n) for n in _PER_BLOCK], *[maybe(T, n) for n in _PER_BLOCK])
+def _per_block(func, args, kwargs):
+    """Affine in the batch tensor for fixed indices/masks: every block through the op (``torch.vmap``)."""
+    return per_block(func, args, kwargs)
 
 
 @register_handler(T.__getitem__)
@@ -494,7 +613,7 @@ def _getitem(func, args, kwargs):
 def _setitem(func, args, kwargs):
     x, idx, value = args[0], args[1], args[2]
     if not is_clone(x):
-        raise RuntimeError(
+        raise BatchWriteError(
             "jvpreg clone mode: `t[...] = h` writes batch data into a tensor created outside the batch. "
             "Create `t` from the batch (e.g. torch.zeros_like(h), h.new_zeros(...)) or collect the pieces "
             "with torch.stack/torch.cat."
@@ -522,7 +641,7 @@ def _setitem(func, args, kwargs):
 def _copy_(func, args, kwargs):
     x, src = args[0], args[1]
     if not is_clone(x):
-        raise RuntimeError(
+        raise BatchWriteError(
             "jvpreg clone mode: `t.copy_(h)` writes batch data into a tensor created outside the batch; "
             "create `t` from the batch instead (torch.zeros_like(h))."
         )
@@ -549,7 +668,7 @@ def _fill_like(func, args, kwargs):
     return x
 
 
-register_handler(T.fill_, T.zero_)(_fill_like)
+register_handler(T.fill_, T.zero_, maybe(torch, "fill_"), maybe(torch, "zero_"))(_fill_like)
 
 
 def _random_inplace(func, args, kwargs):
@@ -691,14 +810,11 @@ def _per_sample_pair(func, args, kwargs):
     return per_block(func, args, kwargs)
 
 
-@register_handler(F.pad, torch._C._nn.pad if hasattr(torch._C._nn, "pad") else None)
-def _pad(func, args, kwargs):
-    x = args[0]
-    pad = args[1] if len(args) > 1 else kwargs["pad"]
-    mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
-    value = args[3] if len(args) > 3 else kwargs.get("value", None)
+@register_op(F.pad, torch._C._nn.pad if hasattr(torch._C._nn, "pad") else None)
+def _pad(func, input, pad, mode="constant", value=None):
+    x = input
     if not is_clone(x) or is_clone(value):
-        return fallback(func, args, kwargs)
+        return fallback(func, (input, pad, mode, value), {})
     p = x.as_subclass(torch.Tensor)
     if mode == "constant":
         return wrap(F.pad(p, pad, mode, value), state=x._jvp_state)

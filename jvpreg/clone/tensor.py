@@ -93,10 +93,24 @@ def primal_block(t: Any) -> Any:
     return t[0] if type(t) is CloneTensor else t
 
 
+def block_delta(z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``z - a``: tangent blocks ``z`` minus the primal ``a``, with the non-finite convention.
+
+    Non-finite primal entries: the difference form cannot carry a tangent on them. An entry that
+    holds the same infinity in a block and in the primal (a ``-inf`` mask, a ``masked_fill`` with
+    ``-inf``: constants shared by every block) has difference 0, not ``inf - inf = NaN``; every
+    other difference is the plain one (a NaN primal keeps NaN tangents: never a wrong finite value).
+    Equal *finite* entries are not touched, so gradients through ``z - a`` stay exact.
+    """
+    d = z - a
+    return d.masked_fill(torch.isnan(d) & (z == a), 0)
+
+
 def delta_blocks(t: Any) -> torch.Tensor | None:
-    """``block_j - block_0`` for j >= 1 of a varying clone; ``None`` for constants and state."""
+    """``block_j - block_0`` for j >= 1 of a varying clone (:func:`block_delta`); ``None`` for constants
+    and state."""
     if type(t) is CloneTensor and not t._jvp_state:
-        return t[1:] - t[0]
+        return block_delta(t[1:], t[0])
     return None
 
 
@@ -125,6 +139,22 @@ def raw(x: torch.Tensor) -> torch.Tensor:
 def tile(t: torch.Tensor, k: int) -> torch.Tensor:
     """Physical ``(k, *t.shape)`` tensor repeating ``t`` in every block (materialized)."""
     return t.unsqueeze(0).expand(k, *t.shape).clone()
+
+
+def stack_blocks(first: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """Physical ``[first; rest]`` (``rest``: ``(K-1, *L)``) whose blocks keep ``first``'s memory layout.
+
+    ``torch.cat`` of ``first[None]`` would make every block contiguous: a channels-last primal (what a plain
+    forward has after a channels-last convolution) would turn contiguous, and the next kernels (BatchNorm's
+    statistics, convolutions) would take another code path than in the plain forward and differ in the last
+    bits. The cat runs in ``first``'s physical dim order instead (free permutes, one copy as before).
+    """
+    if first.dim() < 2 or first.is_contiguous():
+        return torch.cat([first.unsqueeze(0), rest])
+    order = sorted(range(first.dim()), key=lambda d: -first.stride(d))
+    inv = sorted(range(first.dim()), key=lambda i: order[i])
+    out = torch.cat([first.permute(order).unsqueeze(0), rest.permute(0, *[d + 1 for d in order])])
+    return out.permute(0, *[i + 1 for i in inv])
 
 
 def wrap_tree(out: Any, wrap_fn: Callable[[torch.Tensor], Any]) -> Any:

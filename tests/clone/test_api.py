@@ -14,24 +14,15 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten
 
 import jvpreg
+from conftest import assert_tree_close
 from jvpreg.clone import fallback_mode
 
 D = torch.float64
 RTOL = 1e-10
 WHERE = r"jvpreg\.jvp\(func, primals, tangents\): "
 WHERE_P = r"jvpreg\.jvp_params\(module, primals, param_tangents\): "
-
-
-def assert_tree_close(got, want, rtol: float = RTOL) -> None:
-    gl, gs = tree_flatten(got)
-    wl, ws = tree_flatten(want)
-    assert gs == ws, f"structure {gs} != reference {ws}"
-    for g, w in zip(gl, wl):
-        g, w = g.detach(), w.detach()
-        torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * max(w.abs().max().item(), 1e-300))
 
 
 @pytest.fixture(autouse=True)
@@ -91,6 +82,13 @@ def test_has_aux_returns_aux_of_the_primal(func):
             torch.testing.assert_close(aux[key], aux_ref[key], rtol=1e-12, atol=0)
     else:
         torch.testing.assert_close(aux, aux_ref, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("func", [torch.sin, lambda x: x * x.exp(), lambda x: torch.stack([x, x.relu()])],
+                         ids=["sin", "product", "stack"])
+def test_0_dim_primals_are_accepted_like_torch_func(func):
+    x, u = torch.tensor(0.7, dtype=D), torch.tensor(-1.3, dtype=D)
+    assert_tree_close(jvpreg.jvp(func, (x,), (u,)), torch.func.jvp(func, (x,), (u,)))
 
 
 def test_several_primals():
@@ -227,10 +225,6 @@ JVP_ERRORS = [
      "match": WHERE + r"primals\[0\] has dtype torch\.int64; JVPs need floating-point primals"},
     {"id": "bool-primal", "args": (torch.sin, (torch.zeros(3, dtype=torch.bool),), (torch.zeros(3),)),
      "kwargs": {}, "error": TypeError, "match": WHERE + r"primals\[0\] has dtype torch\.bool"},
-    {"id": "0-dim-primal", "args": (torch.sin, (torch.tensor(1.0),), (torch.tensor(1.0),)), "kwargs": {},
-     "error": ValueError,
-     "match": WHERE + r"primals\[0\] is 0-dimensional; clone mode needs at least one dimension \(reshape it to "
-                      r"shape \(1,\) or close over it in func\)"},
     {"id": "has_aux-without-tuple", "args": (torch.sin, (X,), (X,)), "kwargs": {"has_aux": True},
      "error": TypeError, "match": WHERE + r"has_aux=True expects func to return a \(output, aux\) tuple"},
 ] + [
@@ -470,3 +464,58 @@ def test_jvp_params_other_errors():
                                                    r"got \[2, 3\]"):
         jvpreg.jvp_params(model, (x,), {"0.weight": torch.zeros(2, 6, 4, dtype=D)}, (torch.zeros(3, 3, 4, dtype=D),),
                           batched_tangents=True)
+
+
+class ShortcutIntoPlain(nn.Module):
+    """ResNeSt-style residual: ``x += shortcut(x)`` written in place into the main path's tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.down = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        out = self.bn(self.conv(x))
+        out += self.down(x)
+        return torch.relu(out)
+
+
+def test_jvp_params_inplace_residual_into_the_plain_prefix():
+    """Perturbing the shortcut's weight: the in-place residual add lands in a tensor computed before any perturbed
+    layer; jvp_params reruns with clone inputs, running statistics updated once (as one plain forward)."""
+    torch.manual_seed(0)
+    model = ShortcutIntoPlain().double().train()
+    plain = copy.deepcopy(model)
+    x, U = torch.randn(2, 3, 5, 5, dtype=D), torch.randn(4, 3, 1, 1, dtype=D)
+    y, t = jvpreg.jvp_params(model, (x,), {"down.weight": U})
+    params = {n: p.detach() for n, p in plain.named_parameters()}
+    ry, rt = torch.func.jvp(lambda w: torch.func.functional_call(copy.deepcopy(plain), {**params, "down.weight": w},
+                                                                 (x,)), (params["down.weight"],), (U,))
+    assert_tree_close((y, t), (ry, rt))
+    plain(x)
+    for b, b_plain in zip(model.buffers(), plain.buffers()):
+        assert torch.equal(b, b_plain)
+
+
+@pytest.mark.parametrize("module", [lambda: nn.LayerNorm(5), lambda: nn.GroupNorm(2, 6)], ids=["layer_norm", "group_norm"])
+def test_jvp_params_norm_weights_use_rules_not_the_fallback(module):
+    """Differentiated norm weights on a plain input: the rule (xhat * dgamma + dbeta), exact, no fallback."""
+    from jvpreg.clone.dispatch import record_fallbacks
+
+    torch.manual_seed(0)
+    mod, x = module().double(), torch.randn(4, 6, 5, dtype=D)
+    U = torch.randn_like(mod.weight)
+    with record_fallbacks() as seen:
+        got = jvpreg.jvp_params(mod, (x,), {"weight": U})
+    want = torch.func.jvp(lambda w: torch.func.functional_call(mod, {"weight": w, "bias": mod.bias}, (x,)),
+                          (mod.weight.detach(),), (U,))
+    assert_tree_close(got, want)
+    assert seen == []
+
+
+def test_rule_for_returns_the_rule_function_itself():
+    from jvpreg.clone.rules import cpa, composite
+
+    assert jvpreg.clone.rule_for(torch.relu) is cpa.relu
+    assert jvpreg.clone.rule_for(torch.logsumexp) is composite.logsumexp
+    assert jvpreg.clone.rule_for(torch.narrow).__name__ == "_narrow"
+    assert jvpreg.clone.rule_for(torch.special.zeta) is None  # generic path: fallback

@@ -375,3 +375,30 @@ def test_gradient_hook_in_forward_falls_back_to_eager_and_fires():
         _, t = jvpreg.jvp(model, (x,), (u,))
     t.sum().backward()
     assert seen  # the hook fired
+
+
+def test_grad_mode_switches_inside_the_forward_are_replayed():
+    """A no_grad region inside the forward stays a no_grad region in the replay (same gradients)."""
+
+    class Centered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            with torch.no_grad():
+                m = h.mean()
+            return torch.tanh(h - m)
+
+    torch.manual_seed(0)
+    model = Centered().to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    grads = []
+    for engine in ("captured", "captured", "eager"):
+        model.zero_grad()
+        y, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+        (t.pow(2).sum() + y.sum()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g_c, g_e in zip(grads[1], grads[2]):
+        torch.testing.assert_close(g_c, g_e, rtol=1e-12, atol=1e-12)

@@ -28,9 +28,10 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 import jvpreg
+from conftest import assert_tree_close
 from jvpreg.clone import fallback_mode
 
 D = torch.float64
@@ -116,24 +117,6 @@ def reference(f, x, u, via: str):
                 return torch.zeros_like(p) if t is None else t
 
             return tree_map(lambda o: split(o, "primal"), out), tree_map(lambda o: split(o, "tangent"), out)
-
-
-def assert_tree_close(got, want, rtol: float = RTOL, what: str = "") -> None:
-    """Same pytree; float leaves equal to ``rtol`` (atol scaled by the leaf's largest entry)."""
-    gl, gs = tree_flatten(got)
-    wl, ws = tree_flatten(want)
-    assert gs == ws, f"{what}: output structure {gs} != reference {ws}"
-    for i, (g, w) in enumerate(zip(gl, wl)):
-        if not isinstance(w, torch.Tensor):
-            assert g == w or (g is None and w is None), f"{what}[{i}]: {g!r} != {w!r}"
-            continue
-        assert isinstance(g, torch.Tensor), f"{what}[{i}]: got {type(g).__name__}"
-        g, w = g.detach(), w.detach()
-        if w.is_floating_point():
-            atol = rtol * max(w.abs().max().item() if w.numel() else 0.0, 1.0 if not w.any() else 0.0)
-            torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}[{i}]: {m}")
-        else:
-            assert torch.equal(g, w.to(g.dtype)), f"{what}[{i}]: integer outputs differ"
 
 
 def run_setting(s: dict) -> None:

@@ -339,6 +339,7 @@ def _without_running_stats(model: nn.Module) -> nn.Module:
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("net", [pytest.param(n, id=n["name"]) for n in NETWORKS])
 def test_float32_precision_eval(net):
     """Eval mode: float32 clone JVP within 1e-5 (norm-wise) of the float64 torch.func.jvp."""
@@ -354,6 +355,7 @@ def test_float32_precision_eval(net):
     assert rel_err(t, t_ref) <= 1e-5, f"relative error {rel_err(t, t_ref):.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("net", NETWORKS, ids=[n["name"] for n in NETWORKS])
 def test_float32_precision_train(net):
     """Train mode (clone-BN): float32 clone JVP within 1e-5 of float64 torch.func.jvp (or of the yardstick)."""
@@ -380,6 +382,54 @@ def bn_zoo():
         nn.Conv2d(4, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True, affine=True), nn.ReLU(),
         nn.Flatten(), nn.Linear(4 * 12 * 12, 6), nn.BatchNorm1d(6), nn.Tanh(),
     )
+
+
+class LocalPatchInteraction(nn.Module):
+    """XCiT's LPI: tokens -> channels-last image -> depthwise conv, GELU, BatchNorm, conv. The primal block must
+    keep the channels-last layout of the plain forward, or BatchNorm's statistics differ in the last bits."""
+
+    def __init__(self, c=32):
+        super().__init__()
+        self.conv1, self.act, self.bn = nn.Conv2d(c, c, 3, padding=1, groups=c), nn.GELU(), nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, groups=c)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        h = x.permute(0, 2, 1).reshape(b, c, 14, 14)
+        return self.conv2(self.bn(self.act(self.conv1(h)))).reshape(b, c, n).permute(0, 2, 1)
+
+
+class AttentionBN(nn.Module):
+    """Attention between two batch tensors (matmul, einsum, bmm) followed by BatchNorm over the channels."""
+
+    def __init__(self, e=64, t=49):
+        super().__init__()
+        self.qkv, self.bn = nn.Linear(e, 3 * e), nn.BatchNorm1d(e)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        a = (q @ k.transpose(-2, -1)).softmax(-1)
+        o = torch.einsum("bij,bjd->bid", a, v) + torch.bmm(a, v)
+        return self.bn(o.transpose(1, 2)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("builder,steps,shape", [
+    (LocalPatchInteraction, 2, (2, 196, 32)),
+    (AttentionBN, 2, (4, 49, 64)),
+], ids=["xcit-lpi-channels-last", "attention-bn"])
+def test_running_statistics_equal_plain_forward_tokens(builder, steps, shape):
+    """Token models: primal output and running statistics bit-identical to plain forwards."""
+    torch.manual_seed(0)
+    model = builder().train()
+    plain = copy.deepcopy(model)
+    for step in range(steps):
+        x = torch.randn(shape)
+        with torch.no_grad():
+            y, _ = jvpreg.jvp(model, (x,), (torch.randn_like(x),))
+            y_plain = plain(x)
+        assert torch.equal(y, y_plain), f"step {step}: primal output differs from the plain forward"
+    for (name, b), b_plain in zip(model.named_buffers(), plain.buffers()):
+        assert torch.equal(b, b_plain), f"buffer {name} differs from the plain forward's"
 
 
 @pytest.mark.parametrize("builder,steps", [

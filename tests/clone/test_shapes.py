@@ -13,24 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 import jvpreg
+from conftest import assert_tree_close
 from jvpreg.clone import fallback_mode
 
 D = torch.float64
 RTOL = 1e-10
 B = 3
-
-
-def assert_tree_close(got, want, what: str) -> None:
-    gl, gs = tree_flatten(got)
-    wl, ws = tree_flatten(want)
-    assert gs == ws, f"{what}: structure {gs} != reference {ws}"
-    for i, (g, w) in enumerate(zip(gl, wl)):
-        g, w = g.detach(), w.detach()
-        atol = RTOL * max(w.abs().max().item() if w.numel() else 0.0, 1e-300)
-        torch.testing.assert_close(g, w, rtol=RTOL, atol=atol, msg=lambda m: f"{what}[{i}]: {m}")
 
 
 def run_setting(s: dict) -> None:
@@ -42,8 +32,8 @@ def run_setting(s: dict) -> None:
     with fallback_mode(mode):
         y, t = jvpreg.jvp(f, (x,), (u,))
     y_ref, t_ref = torch.func.jvp(f, (x,), (u,))
-    assert_tree_close(y, y_ref, "output")
-    assert_tree_close(t, t_ref, "tangent")
+    assert_tree_close(y, y_ref, what="output")
+    assert_tree_close(t, t_ref, what="tangent")
 
 
 def cases(settings: list) -> pytest.MarkDecorator:

@@ -12,13 +12,13 @@ and the attention above each go through their own rules).
 from __future__ import annotations
 
 import math
-import types
 
 import torch
 import torch.nn.functional as F
 
+from ..dispatch import without_torch_function_guard
 from ..registry import register_handler, register_rule
-from ..tensor import delta_blocks, is_clone, primal_block
+from ..tensor import delta_blocks, is_clone, primal_block, stack_blocks
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -70,20 +70,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         tan = tan + dp @ v
     if dv is not None:
         tan = tan + pd @ dv
-    return torch.cat([out_a[None], out_a + tan])
+    return stack_blocks(out_a, out_a + tan)
 
 
-def _without_torch_function_guard(fn):
-    """A copy of a Python op whose ``has_torch_function`` guard is off, so its body runs op by op."""
-    g = dict(fn.__globals__)
-    for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
-        g[name] = lambda *a, **k: False
-    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    return new
-
-
-_MHA = _without_torch_function_guard(F.multi_head_attention_forward)
+_MHA = without_torch_function_guard(F.multi_head_attention_forward)
 
 
 @register_handler(F.multi_head_attention_forward, reentrant=True)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import _flat_clones, fallback, per_block
-from ..registry import detached_target, maybe, register_handler
+from ..dispatch import _flat_clones, fallback, per_block, state_eval
+from ..registry import detached_target, maybe, register_handler, register_op, write_back
 from ..structural import align, elementwise, elementwise_inplace
-from ..tensor import is_clone, wrap
+from ..tensor import block_delta, is_clone, wrap, stack_blocks
 
 T = torch.Tensor
 
@@ -36,7 +36,7 @@ def mul(func, args, kwargs):
         return elementwise(func, args, kwargs)
     x, y = _aligned_pair(args[0], args[1])
     a1, a2 = x[0], y[0]
-    return wrap(torch.cat([(a1 * a2)[None], a1 * y[1:] + (x[1:] - a1) * a2]))
+    return wrap(stack_blocks(a1 * a2, a1 * y[1:] + block_delta(x[1:], a1) * a2))
 
 
 @register_handler(T.mul_, T.__imul__, maybe(T, "multiply_"))
@@ -44,35 +44,30 @@ def mul_(func, args, kwargs):
     flat, spec, idx = _flat_clones(args, kwargs)
     if len(_varying_positions(flat, idx)) < 2:
         return elementwise_inplace(func, args, kwargs)
-    out = mul(torch.mul, detached_target(args[:2], {}), {})
-    args[0].copy_(out)
-    args[0]._jvp_state = False
-    return args[0]
+    return write_back(func, args[0], mul(torch.mul, detached_target(args[:2], {}), {}))
 
 
 def _divide(x, y, kwargs):
     """x / y with a varying denominator (and any numerator)."""
-    rounding = kwargs.get("rounding_mode")
-    if rounding is not None:  # floor/trunc division: piecewise constant
-        from ..dispatch import state_eval
-        return state_eval(torch.div, (x, y), kwargs)
     vx = is_clone(x) and not x._jvp_state
     xx, yy = _aligned_pair(x, y)
     a1 = xx[0] if is_clone(x) else xx
     a2 = yy[0]
     q = a1 / a2
-    d2 = yy[1:] - a2
-    d1 = (xx[1:] - a1) if vx else 0
-    return wrap(torch.cat([q[None], q + (d1 - q * d2) / a2]))
+    d2 = block_delta(yy[1:], a2)
+    d1 = block_delta(xx[1:], a1) if vx else 0
+    return wrap(stack_blocks(q, q + (d1 - q * d2) / a2))
 
 
-@register_handler(torch.div, T.div, T.__truediv__, torch.true_divide, T.true_divide, maybe(torch, "divide"),
-                  maybe(T, "divide"))
-def div(func, args, kwargs):
-    x, y = args[0], args[1] if len(args) > 1 else kwargs["other"]
-    if not (is_clone(y) and not y._jvp_state):
-        return elementwise(func, args, kwargs)
-    return _divide(x, y, kwargs)
+@register_op(torch.div, T.div, T.__truediv__, torch.true_divide, T.true_divide, maybe(torch, "divide"),
+             maybe(T, "divide"))
+def div(func, input, other, *, rounding_mode=None):
+    """x / y; with ``rounding_mode`` ("floor", "trunc") piecewise constant: zero tangent (torch's convention)."""
+    if rounding_mode is not None:
+        return state_eval(func, (input, other), {"rounding_mode": rounding_mode})
+    if not (is_clone(other) and not other._jvp_state):
+        return elementwise(func, (input, other), {})
+    return _divide(input, other, {})
 
 
 @register_handler(T.__rtruediv__)
@@ -85,43 +80,50 @@ def rdiv(func, args, kwargs):
     return _divide(x, y, {})
 
 
-@register_handler(T.div_, T.__itruediv__, T.true_divide_, maybe(T, "divide_"))
-def div_(func, args, kwargs):
-    y = args[1] if len(args) > 1 else kwargs["other"]
-    if not (is_clone(y) and not y._jvp_state):
-        return elementwise_inplace(func, args, kwargs)
-    out = _divide(detached_target((args[0],), {})[0], y, kwargs)
-    args[0].copy_(out)
-    args[0]._jvp_state = False
-    return args[0]
+@register_op(T.div_, T.__itruediv__, T.true_divide_, maybe(T, "divide_"))
+def div_(func, input, other, *, rounding_mode=None):
+    if rounding_mode is not None:
+        return write_back(func, input, div(torch.div, input, other, rounding_mode=rounding_mode))
+    if not (is_clone(other) and not other._jvp_state):
+        return elementwise_inplace(func, (input, other), {})
+    return write_back(func, input, _divide(detached_target((input,), {})[0], other, {}))
 
 
 def _bilinear(func, args, kwargs):
-    """Generic two-operand expansion; one varying operand -> per-block call (affine)."""
+    """Generic two-operand expansion (module docstring). Block 0 is the very call a plain forward makes
+    (``op(a1, a2)``, bit-identical: batch statistics downstream match a plain forward exactly); the tangent
+    blocks are ``op(z1_j, a2) (+ op(a1, d2_j))``, one batched call over blocks 1.. ."""
     flat, spec, idx = _flat_clones(args, kwargs)
     var = _varying_positions(flat, idx)
-    if len(var) < 2:
-        return per_block(func, args, kwargs)
+    if not var:
+        return state_eval(func, args, kwargs)
     if len(var) > 2:
         return fallback(func, args, kwargs)
-    i1, i2 = var
     from torch.utils._pytree import tree_unflatten
 
-    first = list(flat)
-    first[i2] = flat[i2][0]  # op(z1_j, a2) for every block, one batched call
-    fa, fk = tree_unflatten(first, spec)
-    base = per_block(func, fa, fk)
-    k = flat[i1].shape[0]
-    extras = []
-    for j in range(1, k):
-        f2 = list(flat)
-        for i in idx:
-            f2[i] = flat[i][0]
-        f2[i2] = flat[i2][j] - flat[i2][0]
-        a2, k2 = tree_unflatten(f2, spec)
-        extras.append(func(*a2, **k2))
-    b = base.as_subclass(torch.Tensor)
-    return wrap(torch.cat([b[:1], b[1:] + torch.stack(extras)]))
+    f0 = list(flat)
+    for i in idx:
+        f0[i] = flat[i][0]
+    a0, k0 = tree_unflatten(f0, spec)
+    out0 = func(*a0, **k0)
+    tail = list(flat)
+    for i in idx:  # blocks 1.. of every clone (state clones too), as a (K-1)-block clone
+        tail[i] = wrap(flat[i][1:], state=flat[i]._jvp_state)
+    if len(var) == 2:
+        tail[var[1]] = flat[var[1]][0]
+    ta, tk = tree_unflatten(tail, spec)
+    rest = per_block(func, ta, tk).as_subclass(torch.Tensor)
+    if len(var) == 2:
+        i2 = var[1]
+        k = flat[i2].shape[0]
+        extras = []
+        for j in range(1, k):
+            f2 = list(f0)
+            f2[i2] = block_delta(flat[i2][j], flat[i2][0])
+            a2, k2 = tree_unflatten(f2, spec)
+            extras.append(func(*a2, **k2))
+        rest = rest + torch.stack(extras)
+    return wrap(stack_blocks(out0, rest))
 
 
 @register_handler(torch.matmul, T.matmul, T.__matmul__, torch.mm, T.mm, torch.bmm, T.bmm, torch.einsum,

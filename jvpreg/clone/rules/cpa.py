@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
 from ..structural import align
-from ..tensor import is_clone
+from ..tensor import block_delta, is_clone, stack_blocks
 
 T = torch.Tensor
 
@@ -77,7 +77,7 @@ def prelu(input, weight):
     slope = torch.where(a >= 0, torch.ones_like(a), w.to(a.dtype).expand_as(a))
     out = _with_slope(input, slope)
     if is_clone(weight) and not weight._jvp_state:  # weight tangent: min(a, 0) * dw
-        dw = weight[1:] - weight[0]
+        dw = block_delta(weight[1:], weight[0])
         if a.dim() >= 2 and weight[0].numel() > 1:
             dw = dw.reshape(dw.shape[0], 1, -1, *([1] * (a.dim() - 2)))
         out = torch.cat([out[:1], out[1:] + torch.clamp(a, max=0) * dw])
@@ -134,10 +134,13 @@ def _clamp_with_tensor_bounds(input, min, max):
     from ..tensor import wrap
 
     out = input
-    if min is not None:
-        out = wrap(_extremum(out, min, torch.maximum))
-    if max is not None:
-        out = wrap(_extremum(out, max, torch.minimum))
+    for bound, op, kw in ((min, torch.maximum, "min"), (max, torch.minimum, "max")):
+        if bound is None:
+            continue
+        if is_clone(out) or is_clone(bound):
+            out = wrap(_extremum(out, bound, op))
+        else:  # neither operand from the batch (yet): a plain clamp
+            out = torch.clamp(out, **{kw: bound})
     return out
 
 
@@ -164,7 +167,7 @@ def hardsigmoid(input, inplace=False):
     a = input[0]
     out_a = F.hardsigmoid(a)
     inside = (a > -3) & (a < 3)
-    return torch.cat([out_a[None], torch.where(inside, out_a + (input[1:] - a) / 6, out_a)])
+    return stack_blocks(out_a, torch.where(inside, out_a + block_delta(input[1:], a) / 6, out_a))
 
 
 @register_rule(F.hardswish, torch._C._nn.hardswish, inplace=(torch._C._nn.hardswish_,))
@@ -173,7 +176,7 @@ def hardswish(input, inplace=False):
     a = input[0]
     out_a = F.hardswish(a)
     slope = torch.where(a <= -3, torch.zeros_like(a), torch.where(a < 3, (2 * a + 3) / 6, torch.ones_like(a)))
-    return torch.cat([out_a[None], out_a + slope * (input[1:] - a)])
+    return stack_blocks(out_a, out_a + slope * block_delta(input[1:], a))
 
 
 def _extremum(x, y, op):
@@ -190,9 +193,9 @@ def _extremum(x, y, op):
     out_a = op(xa, ya)
     win_x = (xa > ya) if op in (torch.maximum, torch.fmax) else (xa < ya)
     w = torch.where(xa == ya, torch.full_like(out_a, 0.5), win_x.to(out_a.dtype))
-    dx = (x[1:] - xa) if vx else 0
-    dy = (y[1:] - ya) if vy else 0
-    return torch.cat([out_a[None], out_a + w * dx + (1 - w) * dy])
+    dx = block_delta(x[1:], xa) if vx else 0
+    dy = block_delta(y[1:], ya) if vy else 0
+    return stack_blocks(out_a, out_a + w * dx + (1 - w) * dy)
 
 
 @register_rule(torch.maximum, T.maximum, maybe(torch, "fmax"), maybe(T, "fmax"))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import register_rule
-from ..tensor import delta_blocks, is_clone, primal_block, tile
+from ..tensor import block_delta, delta_blocks, is_clone, primal_block, tile, stack_blocks
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -30,6 +30,17 @@ def _channel_view(p: torch.Tensor, ndim: int, channel_dim: int = 1) -> torch.Ten
     shape = [1] * ndim
     shape[channel_dim] = -1
     return p.reshape(shape)
+
+
+def _batch_input(input, weight, bias):
+    """A plain input normalised with batch (perturbed) weights: the input as a clone of zero tangent, so the
+    weight tangents ``xhat * dgamma + dbeta`` come from the same linearisation."""
+    if is_clone(input):
+        return input
+    k = next(t.shape[0] for t in (weight, bias) if is_clone(t))
+    from ..tensor import wrap
+
+    return wrap(tile(input, k), state=True)
 
 
 def linearized_norm(x, out_a, xhat, rstd, red_dims: Sequence[int], weight, bias, affine_shape):
@@ -61,7 +72,7 @@ def linearized_norm(x, out_a, xhat, rstd, red_dims: Sequence[int], weight, bias,
     tan = out_a + tan
     if tan.dim() == out_a.dim():
         tan = tan.unsqueeze(0).expand(k1, *out_a.shape)
-    return torch.cat([out_a[None], tan])
+    return stack_blocks(out_a, tan)
 
 
 @register_rule(F.batch_norm)
@@ -90,11 +101,14 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
             tan = tan + xhat * dw.reshape(dw.shape[0], *ch(dw[0]).shape)
         if db is not None:
             tan = tan + db.reshape(db.shape[0], *ch(db[0]).shape)
-        return torch.cat([out_a[None], tan])
-    # One fused kernel each way: the primal forward (running statistics updated once, from the primal
-    # block), and the tangent, which is batch norm's own input-gradient formula applied to d_j.
-    out_a, mean, invstd = torch.native_batch_norm(a, w0, b0, running_mean, running_var, True,
-                                                  0.0 if momentum is None else momentum, eps)
+        return stack_blocks(out_a, tan)
+    # The primal block is the very call a plain forward makes (bit-identical output and running statistics,
+    # updated once); the tangent is batch norm's own input-gradient kernel applied to d_j.
+    out_a = F.batch_norm(a, running_mean, running_var, w0, b0, True, 0.0 if momentum is None else momentum, eps)
+    with torch.no_grad():
+        a32 = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a  # the kernel's statistics dtype
+        var, mean = torch.var_mean(a32, dim=(0,) + tuple(range(2, a.dim())), correction=0)
+        invstd = torch.rsqrt(var + eps)
     return _bn_tangents(input, a, out_a, mean, invstd, weight, bias, eps, ch)
 
 
@@ -121,7 +135,7 @@ def _bn_tangents(x, a, out_a, mean, invstd, weight, bias, eps, ch):
                 tans[j] = tans[j] + xhat * ch(dw[j])
             if db is not None:
                 tans[j] = tans[j] + ch(db[j])
-    return torch.stack([out_a] + tans)
+    return stack_blocks(out_a, torch.stack(tans))
 
 
 @register_rule(torch.batch_norm)
@@ -155,8 +169,7 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 @register_rule(F.layer_norm, torch.layer_norm)
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
     """LayerNorm over the trailing ``normalized_shape`` dims, statistics of the primal block."""
-    if not is_clone(input):
-        return fallback(F.layer_norm, (input, normalized_shape, weight, bias, eps), {})
+    input = _batch_input(input, weight, bias)
     a = input[0]
     w0, b0 = _primal(weight), _primal(bias)
     out_a = F.layer_norm(a, normalized_shape, w0, b0, eps)
@@ -170,8 +183,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
 @register_rule(F.group_norm, torch.group_norm)
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     """GroupNorm: statistics over (channels of a group, spatial) of each primal sample."""
-    if not is_clone(input):
-        return fallback(F.group_norm, (input, num_groups, weight, bias, eps), {})
+    input = _batch_input(input, weight, bias)
     a = input[0]
     w0, b0 = _primal(weight), _primal(bias)
     out_a = F.group_norm(a, num_groups, w0, b0, eps)
@@ -181,7 +193,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     rstd_g = torch.rsqrt(var + eps)
     xhat = ((ag - mean) * rstd_g).reshape(a.shape)
     k1 = input.shape[0] - 1
-    d = (input[1:] - a).reshape(k1, n, num_groups, -1)
+    d = block_delta(input[1:], a).reshape(k1, n, num_groups, -1)
     xg = xhat.reshape(n, num_groups, -1)
     dn = (d - d.mean(-1, keepdim=True) - xg * (d * xg).mean(-1, keepdim=True)) * rstd_g
     dn = dn.reshape(k1, *a.shape)
@@ -193,7 +205,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
         dn = dn + xhat * dw.reshape(k1, *ch(w0).shape)
     if db is not None:
         dn = dn + db.reshape(k1, *ch(b0).shape)
-    return torch.cat([out_a[None], out_a + dn])
+    return stack_blocks(out_a, out_a + dn)
 
 
 def _sync_batch_norm_rule(args, kwargs):
@@ -228,7 +240,7 @@ def _sync_batch_norm_rule(args, kwargs):
             rm.mul_(1 - momentum).add_(mean.detach() * momentum)
             rv.mul_(1 - momentum).add_(var.detach() * (n / (n - 1)) * momentum)
     k1 = x.shape[0] - 1
-    d = x[1:] - a
+    d = block_delta(x[1:], a)
     ddims = (1,) + tuple(i + 1 for i in dims[1:])
     sums = all_reduce(torch.cat([d.sum(ddims).flatten(), (d * xhat).sum(ddims).flatten()]), group=group)
     md = sums[: k1 * c].reshape(k1, 1, c, *([1] * (a.dim() - 2))) / n
@@ -253,3 +265,21 @@ try:  # the autograd.Function behind nn.SyncBatchNorm (world size > 1)
     register_function_rule(_SyncBatchNormFunction)(_sync_batch_norm_rule)
 except ImportError:  # pragma: no cover - very old torch
     pass
+
+
+def _batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    """aten._batch_norm_with_update (train-mode BN with running statistics, as torch.compile emits it):
+    clone-BN, plus the primal's saved mean / inverse std and an empty reserve, repeated in every block."""
+    out = batch_norm(input, running_mean, running_var, weight, bias, True, momentum, eps)
+    a = _primal(input)
+    dims = (0,) + tuple(range(2, a.dim()))
+    with torch.no_grad():
+        var, mean = torch.var_mean(a, dim=dims, correction=0)
+        k = out.shape[0]
+        stats = (tile(mean, k), tile(torch.rsqrt(var + eps), k))
+    reserve = torch.empty((k, 0), dtype=torch.uint8, device=a.device)
+    return (out, *stats, reserve)
+
+
+register_rule(torch.ops.aten._batch_norm_with_update, torch.ops.aten._batch_norm_with_update.default,
+              inplace_kwarg=None)(_batch_norm_with_update)

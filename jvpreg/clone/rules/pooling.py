@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
-from ..tensor import is_clone, neg_dim
+from ..tensor import block_delta, is_clone, neg_dim, stack_blocks
 from .cpa import _extremum
 
 T = torch.Tensor
@@ -25,7 +25,7 @@ def gather_blocks(x: torch.Tensor, out_a: torch.Tensor, idx: torch.Tensor, nsp: 
     ind = idx.flatten(-nsp) if nsp > 1 else idx
     ind = ind.unsqueeze(0).expand(k1, *ind.shape)
     got = src.gather(-1, ind).reshape(k1, *out_a.shape)
-    return torch.cat([out_a[None], got])
+    return stack_blocks(out_a, got)
 
 
 def _max_pool_rule(nsp: int):
@@ -73,6 +73,11 @@ def _max_min(input, dim=None, keepdim=False, *, op):
     a = input[0]
     if dim is None:
         return _even_ties(input, op(a), dims=None, keepdim=False)
+    if a.dim() == 0:  # over the only "dim" of a scalar: the value itself, index 0
+        values, indices = op(a, dim, keepdim)
+        idx = indices.unsqueeze(0).expand(input.shape[0]).clone()
+        ret = torch.return_types.max if op is torch.max else torch.return_types.min
+        return ret((input.clone(), idx))
     values, indices = op(a, dim, keepdim)
     nd = neg_dim(dim, a.dim())
     ind = indices if keepdim else indices.unsqueeze(nd)
@@ -80,7 +85,7 @@ def _max_min(input, dim=None, keepdim=False, *, op):
     got = input[1:].gather(nd, ind.unsqueeze(0).expand(k1, *ind.shape))
     if not keepdim:
         got = got.squeeze(nd)
-    vals = torch.cat([values[None], got])
+    vals = stack_blocks(values, got)
     idx = indices.unsqueeze(0).expand(vals.shape[0], *indices.shape).clone()
     return torch.return_types.max((vals, idx)) if op is torch.max else torch.return_types.min((vals, idx))
 
@@ -90,15 +95,15 @@ def _even_ties(x, out_a, dims, keepdim):
     a = x[0]
     if dims is None:
         mask = (a == out_a).to(a.dtype)
-        d = x[1:] - a
-        t = (d * mask).flatten(1).sum(1) / mask.sum()
+        d = block_delta(x[1:], a)
+        t = (d * mask).reshape(d.shape[0], -1).sum(1) / mask.sum()
         return torch.cat([out_a.reshape(1), out_a + t])
     nds = tuple(neg_dim(d, a.dim()) for d in dims)
     ref = out_a if keepdim else _unsqueeze_all(out_a, nds, a.dim())
     mask = (a == ref).to(a.dtype)
-    d = x[1:] - a
+    d = block_delta(x[1:], a)
     t = (d * mask).sum(nds, keepdim=keepdim) / mask.sum(nds, keepdim=keepdim)
-    return torch.cat([out_a[None], out_a + t])
+    return stack_blocks(out_a, out_a + t)
 
 
 def _unsqueeze_all(t, nds, ndim):
@@ -121,6 +126,8 @@ def _amax_amin(op):
     def rule(input, dim=(), keepdim=False):
         a = input[0]
         out_a = op(a, dim, keepdim)
+        if a.dim() == 0:  # a scalar is its own extremum
+            return input.clone()
         dims = None if dim in ((), [], None) else ((dim,) if isinstance(dim, int) else tuple(dim))
         if dims is None:
             return _even_ties(input, out_a, None, False) if not keepdim else _keep_full(input, out_a)

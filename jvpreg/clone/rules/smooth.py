@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
-from ..tensor import is_clone, neg_dim
+from ..tensor import block_delta, is_clone, neg_dim, stack_blocks
 
 T = torch.Tensor
 
@@ -29,10 +29,10 @@ def def_smooth(funcs, inplace=(), *, primal: Callable, slope: Callable, doc: str
         a = input[0]
         out_a = primal(a, *args, **kwargs)
         s = slope(a, out_a, *args, **kwargs)
-        return torch.cat([out_a[None], out_a + s * (input[1:] - a)])
+        return stack_blocks(out_a, out_a + s * block_delta(input[1:], a))
 
     rule.__doc__ = doc
-    rule.__name__ = doc.split("(")[0]
+    rule.__name__ = rule.__qualname__ = doc.split("'")[0] if "'" in doc else doc.split("(")[0]
     return register_rule(*funcs, inplace=inplace)(rule)
 
 
@@ -103,7 +103,7 @@ def mish(input, inplace=False):
     t = torch.tanh(F.softplus(a))
     out_a = a * t
     s = t + a * torch.sigmoid(a) * (1 - t * t)
-    return torch.cat([out_a[None], out_a + s * (input[1:] - a)])
+    return stack_blocks(out_a, out_a + s * block_delta(input[1:], a))
 
 
 @register_rule(torch.pow, T.pow, T.__pow__, inplace=(T.pow_, T.__ipow__), inplace_kwarg=None)
@@ -114,7 +114,7 @@ def pow(input, exponent):
     a = input[0]
     out_a = torch.pow(a, exponent)
     s = exponent * torch.pow(a, exponent - 1) if exponent != 0 else torch.zeros_like(a)
-    return torch.cat([out_a[None], out_a + s * (input[1:] - a)])
+    return stack_blocks(out_a, out_a + s * block_delta(input[1:], a))
 
 
 def _softmax_args(args, kwargs, ndim):
@@ -134,7 +134,7 @@ def _softmax(log: bool):
         dim, dtype = _softmax_args(args, kwargs, a.dim())
         x = input if dtype is None else input.to(dtype)
         a = x[0]
-        d = x[1:] - a
+        d = block_delta(x[1:], a)
         if log:
             out_a = torch.log_softmax(a, dim)
             p = out_a.exp()
@@ -143,7 +143,7 @@ def _softmax(log: bool):
             out_a = torch.softmax(a, dim)
             p = out_a
             tan = p + p * (d - (p * d).sum(dim, keepdim=True))
-        return torch.cat([out_a[None], tan])
+        return stack_blocks(out_a, tan)
 
     rule.__doc__ = ("log_softmax: out_j = out_a + d_j - sum(p d_j)" if log
                     else "softmax: out_j = p + p (d_j - sum(p d_j))")

@@ -1,0 +1,163 @@
+"""Ops linearised through a composition of ops that have rules (losses, logsumexp, norms, sort/topk).
+
+``def_composite(op, body)``: the primal block is ``op`` itself on the primal blocks (bit-identical to a plain
+call), the tangent blocks are those of ``body`` run on the clone batch, where every op goes through its own
+rule: ``out_j = op(a) + (body(z)_j - body(z)_0)``. ``body`` only has to be a correct formula of ``op``; its
+exactness comes from the rules it uses. Conventions where the formula is not smooth follow torch's forward
+AD: vector 2-norm at 0 has tangent 0; sort/topk values are gathered at the primal's indices (ties: the
+kernel's order); losses' reductions are ``none`` / ``mean`` / ``sum`` (0, 1, 2).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import fallback, per_block
+from ..registry import register_op
+from ..tensor import block_delta, is_clone, stack_blocks, wrap
+
+T = torch.Tensor
+
+
+def _primal_call(func, args, kwargs):
+    from torch.utils._pytree import tree_map
+
+    a0 = tree_map(lambda t: t.as_subclass(torch.Tensor)[0] if is_clone(t) else t, (args, kwargs))
+    from torch._C import DisableTorchFunctionSubclass
+
+    with DisableTorchFunctionSubclass():
+        return func(*a0[0], **a0[1])
+
+
+def _fallback(func, args, kwargs):
+    from torch._C import DisableTorchFunctionSubclass
+
+    with DisableTorchFunctionSubclass():
+        return fallback(func, args, kwargs)
+
+
+def _combine(out_a, body_out):
+    """``[out_a; out_a + (body_j - body_0)]`` as a clone (tangent blocks of ``body``, primal of the op)."""
+    from torch._C import DisableTorchFunctionSubclass
+
+    with DisableTorchFunctionSubclass():
+        p = body_out.as_subclass(torch.Tensor)
+        return wrap(stack_blocks(out_a, out_a + block_delta(p[1:], p[0])))
+
+
+def def_composite(*funcs, aliases=None):
+    """Register ``body(input, ...)`` (called like the op, on clones) as the linearisation of ``funcs``."""
+
+    def deco(body):
+        @register_op(*funcs, aliases=aliases, reentrant=True)
+        def handler(func, *args, **kwargs):
+            if not any(is_clone(t) and not t._jvp_state for t in list(args) + list(kwargs.values())):
+                return _fallback(func, args, kwargs)
+            out_a = _primal_call(func, args, kwargs)
+            out = body(*args, **kwargs)
+            if out is NotImplemented:
+                return _fallback(func, args, kwargs)
+            if isinstance(out, tuple):  # (values, indices): indices are the primal's
+                vals = _combine(out_a[0], out[0])
+                return type(out_a)((vals,) + tuple(out[1:]))
+            return _combine(out_a, out)
+
+        handler.__doc__ = body.__doc__
+        handler.__wrapped__ = body
+        return body
+
+    return deco
+
+
+def _reduce(loss, reduction):
+    return {0: lambda l: l, 1: torch.mean, 2: torch.sum}[reduction](loss)
+
+
+@def_composite(torch.logsumexp, T.logsumexp)
+def logsumexp(input, dim, keepdim=False):
+    """logsumexp(x) = m + log(sum(exp(x - m))), m = max of the primal (a constant)."""
+    m = input.detach().amax(dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    out = (input - m).exp().sum(dim, keepdim=True).log() + m
+    return out if keepdim else out.sum(dim)  # summing the size-1 dims squeezes them
+
+
+@def_composite(torch._C._nn.mse_loss)
+def mse_loss(input, target, reduction=1):
+    """mse = reduce((x - y)^2)."""
+    return _reduce((input - target).square(), reduction)
+
+
+@def_composite(torch._C._nn.l1_loss)
+def l1_loss(input, target, reduction=1):
+    """l1 = reduce(|x - y|) (slope 0 at x = y)."""
+    return _reduce((input - target).abs(), reduction)
+
+
+@def_composite(torch._C._nn.smooth_l1_loss)
+def smooth_l1_loss(input, target, reduction=1, beta=1.0):
+    """smooth_l1 = reduce(0.5 d^2 / beta where |d| < beta, else |d| - beta / 2)."""
+    d = input - target
+    if beta == 0:
+        return _reduce(d.abs(), reduction)
+    return _reduce(torch.where(d.abs() < beta, 0.5 * d.square() / beta, d.abs() - 0.5 * beta), reduction)
+
+
+@def_composite(torch._C._nn.huber_loss)
+def huber_loss(input, target, reduction=1, delta=1.0):
+    """huber = reduce(0.5 d^2 where |d| < delta, else delta (|d| - delta / 2))."""
+    d = input - target
+    return _reduce(torch.where(d.abs() < delta, 0.5 * d.square(), delta * (d.abs() - 0.5 * delta)), reduction)
+
+
+@def_composite(torch.binary_cross_entropy_with_logits)
+def binary_cross_entropy_with_logits(input, target, weight=None, pos_weight=None, reduction=1):
+    """bce_logits = reduce(w ((1 - t) x + (1 + (pw - 1) t) softplus(-x)))."""
+    lw = 1 if pos_weight is None else (pos_weight - 1) * target + 1
+    sp = -F.logsigmoid(input)  # softplus(-x), derivative -sigmoid(-x) exactly
+    loss = (1 - target) * input + lw * sp
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction)
+
+
+@def_composite(torch._C._nn.cross_entropy_loss)
+def cross_entropy(input, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+    """cross_entropy = nll_loss(log_softmax(x, 1)) for class indices (no label smoothing); else the fallback."""
+    if label_smoothing != 0.0 or (torch.is_tensor(target) and target.is_floating_point()):
+        return NotImplemented
+    dim = 1 if input.dim() >= 2 else 0
+    return torch._C._nn.nll_loss_nd(torch.log_softmax(input, dim), target, weight, reduction, ignore_index)
+
+
+@def_composite(torch._C._linalg.linalg_vector_norm, aliases={"ord": "ord"})
+def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """||x||_2 = sqrt(sum x^2) with d||x|| = sum(x dx) / ||x||, and 0 at x = 0 (torch's convention);
+    other orders and complex inputs: the fallback."""
+    if ord != 2 or input.is_complex() or dtype is not None:
+        return NotImplemented
+    n = input.detach().square().sum(dim, keepdim=True).sqrt()
+    safe = torch.where(n > 0, n, torch.ones_like(n))
+    return (input * (input.detach() / safe)).sum(dim, keepdim=keepdim)  # tangent <a / n, d>
+
+
+@def_composite(torch.sort, T.sort)
+def sort(input, dim=-1, descending=False, stable=False):
+    """sort: values gathered at the primal's sorting indices."""
+    idx = torch.sort(input.detach(), dim=dim, descending=descending, stable=stable).indices
+    return input.gather(dim, idx), idx
+
+
+@def_composite(torch.topk, T.topk)
+def topk(input, k, dim=-1, largest=True, sorted=True):
+    """topk: values gathered at the primal's indices."""
+    idx = torch.topk(input.detach(), k, dim=dim, largest=largest, sorted=sorted).indices
+    return input.gather(dim, idx), idx
+
+
+@register_op(torch._C._nn.nll_loss_nd, torch._C._nn.nll_loss, torch._C._nn.nll_loss2d)
+def nll_loss(func, input, target, weight=None, reduction=1, ignore_index=-100):
+    """nll_loss is linear in its input for fixed targets and weights: every block alike."""
+    if not is_clone(input) or (is_clone(weight) and not weight._jvp_state):
+        return fallback(func, (input, target, weight, reduction, ignore_index), {})
+    return per_block(func, (input, target, weight, reduction, ignore_index), {})

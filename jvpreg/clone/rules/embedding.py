@@ -1,0 +1,45 @@
+"""Embedding with ``max_norm``: the in-place row renormalisation of the weight.
+
+``F.embedding(..., max_norm=m)`` first calls ``torch.embedding_renorm_(weight, idx, m, p)`` under
+``no_grad``: the looked-up rows of the weight are rescaled to norm <= m as a side effect that
+autograd does not see. PyTorch's derivatives (backward and ``torch.func.jvp``) treat it as a change of
+value, not of tangent, so the rule does the same: ``block_j := renorm(a) + (block_j - a)``, the
+primal block renormalised exactly as a plain call would, tangents unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..registry import register_handler, register_op
+from ..tensor import block_delta, is_clone
+
+
+@register_handler(torch.embedding_renorm_)
+def embedding_renorm_(func, args, kwargs):
+    """embedding_renorm_(w, idx, max_norm, norm_type): renormalise the primal rows; tangents unchanged."""
+    weight, rest = args[0], args[1:]
+    if not is_clone(weight):  # only the indices come from the batch: they are state, use the primal's
+        return func(weight, *[a[0] if is_clone(a) else a for a in rest], **kwargs)
+    idx = rest[0][0] if is_clone(rest[0]) else rest[0]
+    w = weight.as_subclass(torch.Tensor)
+    with torch.no_grad():
+        d = block_delta(w[1:], w[0])
+        func(w[0], idx, *rest[1:], **kwargs)
+        w[1:] = w[0] + d
+    return weight
+
+
+@register_op(F.embedding, reentrant=True)
+def embedding(func, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+              sparse=False):
+    """F.embedding: a lookup (linear in the weight). With ``max_norm`` and a batch weight the renorm is
+    applied to the clone itself (torch renormalises ``weight.detach()``, an alias that a clone's detach,
+    a copy, is not)."""
+    if max_norm is not None and is_clone(weight):
+        with torch.no_grad():
+            torch.embedding_renorm_(weight, input.contiguous(), max_norm, norm_type)
+        max_norm = None
+    from ..dispatch import decomposition
+
+    return decomposition(F.embedding)(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)

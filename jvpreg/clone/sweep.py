@@ -1,0 +1,203 @@
+"""The engine swept over PyTorch's own op database (OpInfo), against ``torch.func.jvp`` in float64.
+
+For every OpInfo with float64 and forward-AD support, the first few sample inputs, each floating
+tensor operand in turn as the differentiated input (the others held constant), and the in-place
+variant (differentiated in its ``self`` operand), one case compares ``jvpreg.jvp`` with
+``torch.func.jvp`` (``torch.autograd.functional.jvp``, reverse mode, where forward AD fails) and
+classifies the result:
+
+* ``rule``: exact, no op took the fallback;          * ``fallback``: exact, some op took the fallback;
+* ``error``: a clear :class:`UnsupportedOpError`;    * ``skip``: the reference itself fails, or the op is random;
+* ``mismatch``: a wrong primal or tangent (silently wrong: a bug);
+* ``crash``: any other exception from the engine (a bug).
+
+Comparison: same pytree structure; float leaves to ``rtol = atol / max|ref| = 1e-7``. Where the reference
+primal output is not finite the difference form carries no tangent: there 0 (an infinity shared by
+every block, e.g. a ``-inf`` mask) or NaN is accepted (convention: :func:`jvpreg.clone.tensor.block_delta`),
+any other value is not.
+
+Used by ``tests/clone/test_opinfo_sweep.py`` and ``scripts/coverage_table.py``; needs ``expecttest``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+D = torch.float64
+RTOL = 1e-7
+N_SAMPLES = 4
+MAX_OPERANDS = 3
+
+# Ops whose outputs are random draws: the engine draws one mask from the primal block, torch.func draws its
+# own, so values cannot be compared with the reference (their rules are tested in tests/clone/test_rules.py).
+RANDOM_OPS = {
+    "bernoulli", "nn.functional.dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
+    "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout", "nn.functional.rrelu",
+    "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d", "pca_lowrank",
+    "svd_lowrank", "normal", "uniform", "multinomial", "cauchy", "exponential", "geometric", "log_normal",
+    "nn.functional.multi_head_attention_forward",
+}
+
+
+@dataclasses.dataclass
+class Case:
+    op: str            # OpInfo name
+    variant: str       # "" | "inplace"
+    sample: int
+    operand: int       # index of the differentiated leaf among the sample's flattened arguments
+    fn: Callable
+    primal: torch.Tensor
+
+    @property
+    def id(self) -> str:
+        v = f".{self.variant}" if self.variant else ""
+        return f"{self.op}{v}[s{self.sample}x{self.operand}]"
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    kind: str          # rule | fallback | error | skip | mismatch | crash
+    detail: str = ""
+    fallbacks: tuple = ()
+
+
+def sweep_ops() -> list:
+    """OpInfos with float64 and forward-AD support on CPU."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return [o for o in op_db if o.supports_forward_ad and D in o.supported_dtypes("cpu")]
+
+
+def _is_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _call(variant_fn, flat, spec, i, clone_self):
+    def fn(x):
+        f2 = list(flat)
+        f2[i] = x
+        inp, args, kwargs = tree_unflatten(f2, spec)
+        if clone_self and isinstance(inp, torch.Tensor):
+            inp = inp.clone()
+        return variant_fn(inp, *args, **kwargs)
+
+    return fn
+
+
+def cases(op, n_samples: int = N_SAMPLES) -> Iterator[Case]:
+    """The cases of one OpInfo (see module docstring)."""
+    torch.manual_seed(0)
+    samples = list(itertools.islice(op.sample_inputs("cpu", D, requires_grad=False), n_samples))
+    for si, s in enumerate(samples):
+        flat, spec = tree_flatten((s.input, tuple(s.args), dict(s.kwargs)))
+        floats = [i for i, v in enumerate(flat) if _is_float(v) and v.dtype == D][:MAX_OPERANDS]
+        for i in floats:
+            yield Case(op.name, "", si, i, _call(op.op, flat, spec, i, False), flat[i])
+        inplace = op.inplace_variant
+        if inplace is not None and floats and floats[0] == 0 and isinstance(s.input, torch.Tensor):
+            yield Case(op.name, "inplace", si, 0, _call(inplace, flat, spec, 0, True), flat[0])
+
+
+def _tangent_like(x: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if x.is_complex():
+        return torch.randn(x.shape, dtype=x.dtype, generator=g)
+    return torch.randn(x.shape, dtype=x.dtype, generator=g)
+
+
+def reference(fn: Callable, x: torch.Tensor, u: torch.Tensor):
+    """``(f(x), J u)`` by ``torch.func.jvp``; reverse mode (double-backward trick) where it fails."""
+    try:
+        return torch.func.jvp(fn, (x,), (u,))
+    except Exception:
+        out = fn(x.clone())
+        if not all(_is_float(o) or not isinstance(o, torch.Tensor) for o in tree_flatten(out)[0]):
+            raise
+        y, t = torch.autograd.functional.jvp(lambda z: fn(z.clone()), (x,), (u,))
+        return y, t
+
+
+def mismatch(got, want, ref_primal, what: str) -> str:
+    """"" (close) or a description of the first difference; the comparison of the module docstring."""
+    gl, gs = tree_flatten(got)
+    wl, ws = tree_flatten(want)
+    pl = tree_flatten(ref_primal)[0]
+    if gs != ws:
+        return f"{what}: structure {gs} != reference {ws}"
+    for i, (g, w) in enumerate(zip(gl, wl)):
+        if not isinstance(w, torch.Tensor):
+            if g != w and not (g is None and w is None):
+                return f"{what}[{i}]: {g!r} != {w!r}"
+            continue
+        if not isinstance(g, torch.Tensor):
+            return f"{what}[{i}]: got {type(g).__name__}, expected a tensor"
+        g, w = g.detach(), w.detach()
+        if g.shape != w.shape:
+            return f"{what}[{i}]: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        if not _is_float(w):
+            if not torch.equal(g, w.to(g.dtype)):
+                return f"{what}[{i}]: integer/bool outputs differ"
+            continue
+        g = g.to(w.dtype)
+        p = pl[i] if i < len(pl) and isinstance(pl[i], torch.Tensor) and pl[i].shape == w.shape else None
+        if p is not None and _is_float(p):  # non-finite primal entries: 0 or NaN accepted (block_delta)
+            nonfin = ~torch.isfinite(p)
+            g = torch.where(nonfin & (torch.isnan(g) | (g == 0)), w, g)
+        fin = torch.isfinite(w)
+        scale = w[fin].abs().max().item() if fin.any() else 1.0
+        atol = RTOL * max(scale, 1.0)
+        if not torch.allclose(g, w, rtol=RTOL, atol=atol, equal_nan=True):
+            err = (g - w).abs()
+            err = torch.where(torch.isnan(err), torch.full_like(err.real if err.is_complex() else err, float("inf")),
+                              err.real if err.is_complex() else err)
+            return f"{what}[{i}]: max abs error {err.max().item():.3g} (scale {scale:.3g})"
+    return ""
+
+
+def run_case(case: Case) -> Result:
+    """Run one case and classify it (see module docstring)."""
+    import jvpreg
+    from .dispatch import UnsupportedOpError, record_fallbacks
+
+    x = case.primal
+    u = _tangent_like(x, 1)
+    try:
+        torch.manual_seed(0)
+        ref_y, ref_t = reference(case.fn, x.clone(), u)
+    except Exception as err:  # the reference refuses: nothing to compare with
+        return Result(case, "skip", f"reference failed: {type(err).__name__}: {str(err)[:120]}")
+    if case.op in RANDOM_OPS:
+        return Result(case, "skip", "random op")
+    try:
+        with warnings.catch_warnings(), record_fallbacks() as seen:
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            y, t = jvpreg.jvp(case.fn, (x.clone(),), (u,))
+    except UnsupportedOpError as err:
+        return Result(case, "error", str(err).split(". ")[0][:200])
+    except Exception as err:
+        import traceback
+
+        tb = traceback.extract_tb(err.__traceback__)
+        where = next((f"{fr.filename.split('jvpreg/')[-1]}:{fr.lineno}" for fr in reversed(tb)
+                      if "jvpreg/clone" in fr.filename), "?")
+        return Result(case, "crash", f"{type(err).__name__} at {where}: {str(err)[:200]}")
+    bad = mismatch(y, ref_y, ref_y, "primal") or mismatch(t, ref_t, ref_y, "tangent")
+    if bad:
+        return Result(case, "mismatch", bad, tuple(seen))
+    return Result(case, "fallback" if seen else "rule", "", tuple(sorted(set(seen))))
+
+
+def run_op(op, n_samples: int = N_SAMPLES) -> list:
+    """Every case of one OpInfo; a failure to build the samples is a ``skip`` of the whole op."""
+    try:
+        cs = list(cases(op, n_samples))
+    except Exception as err:  # pragma: no cover - depends on the torch version
+        return [Result(Case(op.name, "", -1, -1, None, None), "skip", f"samples failed: {err}")]
+    return [run_case(c) for c in cs]

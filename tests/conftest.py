@@ -1,0 +1,31 @@
+"""Shared test harness: pytree comparison against a reference, seeding, and the float64 default dtype name.
+
+``assert_tree_close(got, want, rtol=1e-10, what="")``: same pytree structure; float leaves equal to ``rtol``
+with ``atol = rtol * max|want|`` (1 for an all-zero reference); integer/bool leaves exactly; other leaves
+with ``==``. Import it as ``from conftest import assert_tree_close`` (pytest puts ``tests/`` on the path).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+D = torch.float64
+RTOL = 1e-10
+
+
+def assert_tree_close(got, want, rtol: float = RTOL, what: str = "") -> None:
+    """Same pytree; float leaves equal to ``rtol`` (atol scaled by the leaf's largest entry)."""
+    gl, gs = tree_flatten(got)
+    wl, ws = tree_flatten(want)
+    assert gs == ws, f"{what}: output structure {gs} != reference {ws}"
+    for i, (g, w) in enumerate(zip(gl, wl)):
+        if not isinstance(w, torch.Tensor):
+            assert g == w or (g is None and w is None), f"{what}[{i}]: {g!r} != {w!r}"
+            continue
+        assert isinstance(g, torch.Tensor), f"{what}[{i}]: got {type(g).__name__}"
+        g, w = g.detach(), w.detach()
+        if w.is_floating_point() or w.is_complex():
+            atol = rtol * max(w.abs().max().item() if w.numel() else 0.0, 1.0 if not w.any() else 0.0)
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}[{i}]: {m}")
+        else:
+            assert torch.equal(g, w.to(g.dtype)), f"{what}[{i}]: integer outputs differ"
