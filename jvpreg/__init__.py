@@ -4,7 +4,7 @@
 named parameters. Lightning callbacks, losses and the Hydra app import lazily, so the engine needs
 only torch.
 """
-from .clone import JVPFallbackWarning, UnsupportedOpError, jvp, jvp_params
+from .clone import JVPCaptureWarning, JVPFallbackWarning, UnsupportedOpError, jvp, jvp_params
 
 __version__ = "0.1.0"
-__all__ = ["JVPFallbackWarning", "UnsupportedOpError", "jvp", "jvp_params", "__version__"]
+__all__ = ["JVPCaptureWarning", "JVPFallbackWarning", "UnsupportedOpError", "jvp", "jvp_params", "__version__"]

@@ -15,7 +15,7 @@ from .registry import register_handler, register_rule, register_state, rule_for
 from .tensor import CloneTensor, is_clone
 
 __all__ = [
-    "CloneTensor", "JVPCaptureWarning", "JVPFallbackWarning", "call", "UnsupportedOpError", "choose_scales", "fallback_mode", "is_clone",
-    "jvp", "jvp_params", "pack", "primal_of", "register_function_rule", "register_handler", "register_rule",
-    "register_state", "rule_for", "set_fallback", "unpack",
+    "CloneTensor", "JVPCaptureWarning", "JVPFallbackWarning", "UnsupportedOpError", "call", "choose_scales",
+    "fallback_mode", "is_clone", "jvp", "jvp_params", "pack", "primal_of", "register_function_rule",
+    "register_handler", "register_rule", "register_state", "rule_for", "set_fallback", "unpack",
 ]

@@ -63,6 +63,13 @@ register_handler(*[maybe(T, n) for n in _QUERY_ATTRS], torch.numel, maybe(torch,
 register_handler(*[getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n)])(_query)
 
 
+@register_handler(T._base.__get__)
+def _base(func, args, kwargs):
+    """``._base``: a clone is a view of its physical batch (FSDP2 asks before hooking a module's output);
+    the base is returned as the plain physical tensor, to be tested, not computed with."""
+    return func(args[0].as_subclass(torch.Tensor))
+
+
 @register_handler(T.__hash__)
 def _hash(func, args, kwargs):
     return id(args[0])
