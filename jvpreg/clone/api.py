@@ -45,20 +45,17 @@ def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) ->
     """Per-tangent power-of-two scales ``s_j`` (shape ``(k,)``) for ``(primal, tangents (k, ...))`` pairs."""
     ref = pairs[0][0]
     ratio = _ratio(ref.dtype, ref.device) if ratio is None else ratio
-    with torch.no_grad():
-        xs = torch.zeros((), dtype=torch.float64, device=ref.device)
-        us = torch.zeros(k, dtype=torch.float64, device=ref.device)
-        n = 0
+    with torch.no_grad():  # rms(x) / rms(u_j) = ||x|| / ||u_j||: float64 norms, non-finite entries (masks) left out
+        x2, u2 = 0.0, 0.0
         for x, u in pairs:
-            xd, ud = x.detach().double(), u.detach().double()  # non-finite entries (masks) carry no scale
-            xs = xs + torch.where(torch.isfinite(xd), xd, 0.0).pow(2).sum()
-            us = us + torch.where(torch.isfinite(ud), ud, 0.0).pow(2).reshape(k, -1).sum(1)
-            n += x.numel()
-        rx = torch.sqrt(xs / max(n, 1))
-        rx = torch.where(rx > 0, rx, torch.ones_like(rx))
-        ru = torch.sqrt(us / max(n, 1))
-        s = torch.exp2(torch.round(torch.log2(ratio * rx / torch.where(ru > 0, ru, torch.ones_like(ru)))))
-        s = torch.where(ru > 0, s, torch.ones_like(s))
+            xf = torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0)
+            uf = torch.nan_to_num(u.detach(), nan=0.0, posinf=0.0, neginf=0.0).reshape(k, -1)
+            x2 = x2 + torch.linalg.vector_norm(xf, dtype=torch.float64).square()
+            u2 = u2 + torch.linalg.vector_norm(uf, dim=1, dtype=torch.float64).square()
+        nx, nu = torch.as_tensor(x2, dtype=torch.float64, device=ref.device).sqrt(), u2.sqrt()
+        nx = torch.where(nx > 0, nx, 1.0)
+        s = torch.exp2(torch.round(torch.log2(ratio * nx / torch.where(nu > 0, nu, 1.0))))
+        s = torch.where(nu > 0, s, 1.0)
     return s
 
 
