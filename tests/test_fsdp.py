@@ -15,6 +15,7 @@ import contextlib
 import copy
 import datetime
 import os
+import sys
 import tempfile
 import warnings
 
@@ -117,6 +118,16 @@ def _entry(rank: int, store: str, worker: str, args: tuple) -> None:
         globals()[worker](rank, *args)
     finally:
         dist.destroy_process_group()
+    _exit_quietly()
+
+
+def _exit_quietly() -> None:
+    """End a worker that succeeded without interpreter teardown: under load, a background thread left at
+    exit sometimes aborts the process ('terminate called without an active exception') after its work is
+    done, which mp.spawn reports as a failure. Failures still raise before this point."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(worker: str, *args) -> None:

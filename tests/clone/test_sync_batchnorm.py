@@ -1,5 +1,6 @@
 """Clone-mode SyncBatchNorm across 2 gloo ranks equals clone BatchNorm on the global batch."""
 import os
+import sys
 import socket
 
 import pytest
@@ -33,6 +34,9 @@ def _worker(rank, world, port, x, u, w, b, out_dir):
     (gw,) = torch.autograd.grad(t.pow(2).sum() + y0.pow(2).sum(), w)
     torch.save({"y": y0.detach(), "t": t.detach(), "gw": gw, "rm": rm, "rv": rv}, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
+    # no interpreter teardown: under load a thread left at exit can abort a worker whose work is done
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.slow
