@@ -26,8 +26,9 @@ tracked physical tensor (:func:`jvpreg.clone.tensor.track`).
 Guards (checked on every call, cheaply): the call's pytree structure and every tensor's shape,
 dtype, device, ``requires_grad`` and block count; identity of every parameter and buffer (a
 replaced tensor recaptures; a clone parameter is matched by its metadata); every submodule's
-``training`` flag and its children (a swapped submodule recaptures); grad mode, autocast state and
-the fallback mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
+``training`` flag and its children (a swapped submodule recaptures); plain tensor attributes of the
+modules that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode,
+autocast state and the fallback mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
 
 Limits (each falls back to eager clone mode with a warning, never a wrong answer):
 * Python control flow on tensor values; custom ``autograd.Function`` s on plain tensors under
@@ -131,6 +132,7 @@ def resolve_engine(engine: str, func: Any, where: str) -> str:
 class _Program:
     gm: Optional[Callable]              # None: this signature runs in eager clone mode
     keep: Tuple[Any, ...] = ()          # the plain parameters/buffers traced (alive, so equal ids = same objects)
+    attrs: Tuple[Any, ...] = ()         # (module __dict__, name, tensor): plain tensor attributes baked in
     out_spec: Any = None
     out_kinds: Tuple[Any, ...] = ()     # per output leaf: "clone"/"state"/"tensor" or the constant
     compiled: Optional[Callable] = None
@@ -342,7 +344,16 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     _pin_grad_modes(gm.graph, torch.is_grad_enabled())
     optimize(gm)
     keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
-    return _Program(gm=gm, keep=keep, out_spec=out_meta["spec"], out_kinds=out_meta["kinds"])
+    return _Program(gm=gm, keep=keep, out_spec=out_meta["spec"], out_kinds=out_meta["kinds"],
+                    attrs=_baked_attributes(gm, rec))
+
+
+def _baked_attributes(gm: torch.fx.GraphModule, rec: _Record) -> Tuple[Any, ...]:
+    """Plain tensor attributes of the modules (``self.scale = torch.tensor(2.0)``) that the program holds
+    as constants: a reassigned attribute must recapture, not replay the old tensor."""
+    consts = {id(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+    return tuple((m.__dict__, name, value) for m in rec.modules for name, value in m.__dict__.items()
+                 if isinstance(value, torch.Tensor) and id(value) in consts)
 
 
 def _note_grad_mode(tracer: Any) -> None:
@@ -506,6 +517,8 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
     slot_values = [store.get(name) for store, name in rec.slots]
     key = _key(rec, id(getattr(fn, "__func__", fn)), in_spec, leaves, slot_values)
     prog = rec.programs.get(key)
+    if prog is not None and prog.attrs and not all(d.get(n) is v for d, n, v in prog.attrs):
+        prog = None  # a tensor attribute the program baked in was reassigned
     if prog is None:
         reason = _unsupported(module, rec)
         if not reason and len(rec.programs) >= MAX_PROGRAMS:

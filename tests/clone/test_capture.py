@@ -402,3 +402,24 @@ def test_grad_mode_switches_inside_the_forward_are_replayed():
         grads.append([p.grad.clone() for p in model.parameters()])
     for g_c, g_e in zip(grads[1], grads[2]):
         torch.testing.assert_close(g_c, g_e, rtol=1e-12, atol=1e-12)
+
+
+def test_reassigned_tensor_attribute_recaptures():
+    """A plain tensor attribute baked into the program as a constant: reassigning it recaptures."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.scale = torch.tensor(2.0, dtype=D)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x)) * self.scale
+
+    model = Scaled().to(D)
+    x, u = randn(2, 3), randn(2, 3)
+    jvpreg.jvp(model, (x,), (u,))
+    model.scale = torch.tensor(3.0, dtype=D)
+    _, t = jvpreg.jvp(model, (x,), (u,))
+    _, t_ref = torch.func.jvp(model, (x,), (u,))
+    torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
