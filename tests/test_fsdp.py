@@ -98,9 +98,14 @@ def test_gradient_hook_on_a_clone_fires():
     w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
     x, u = torch.randn(2, 3, dtype=torch.float64), torch.randn(1, 2, 3, dtype=torch.float64)
     (xc,), s = jvpreg.clone.pack((x,), (u,))
-    y = xc @ w
     seen = []
-    y.register_hook(lambda g: seen.append(tuple(g.shape)))
+
+    def f(xc):
+        y = xc @ w
+        y.register_hook(lambda g: seen.append(tuple(g.shape)))
+        return y
+
+    y = jvpreg.clone.call(f, (xc,))
     out, tan = jvpreg.clone.unpack(y, s)
     (out.sum() + tan.pow(2).sum()).backward()
     assert seen == [(2, 2, 3)]  # the physical (K, *L) gradient

@@ -75,7 +75,7 @@ def run(ops: Sequence[str], sizes: Sequence[int], batch_sizes: Sequence[int], *,
         repeats: int = 20, warmup: int = 3, device: str = "cpu", cell_budget: float | None = None,
         seed: int = 0, stat: str = "median", clock: str = "wall", show_progress: bool = True) -> List[Dict[str, Any]]:
     """One record per (op, B, S): times of clone (2B rows), default (B rows) and default (2B rows)."""
-    from jvpreg.clone import pack
+    from jvpreg.clone import call, pack
 
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
@@ -94,7 +94,7 @@ def run(ops: Sequence[str], sizes: Sequence[int], batch_sizes: Sequence[int], *,
                         f = _op_fn(op, channels, dev, gen)
                         rec: Dict[str, Any] = {"op": op, "batch_size": b, "size": s, "channels": channels}
                         try:
-                            rec["clone"] = _timed(lambda: f(cx), repeats, warmup, dev, cell_budget, clock)
+                            rec["clone"] = _timed(lambda: call(f, (cx,), engine="eager"), repeats, warmup, dev, cell_budget, clock)
                             rec["default_B"] = _timed(lambda: f(x), repeats, warmup, dev, cell_budget, clock)
                             rec["default_2B"] = _timed(lambda: f(x2), repeats, warmup, dev, cell_budget, clock)
                             rec["slowdown_vs_B"] = rec["clone"][stat] / rec["default_B"][stat]

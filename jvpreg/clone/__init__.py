@@ -3,11 +3,12 @@
 Layout: ``tensor`` (the K-block batch type), ``registry`` (the one rule registry), ``dispatch``
 (routing and the exact fallback), ``structural`` (affine/shape fast paths), ``rules/`` (one
 module per family of nonlinear ops), ``functions`` (custom autograd.Functions), ``api``
-(``jvp``, ``jvp_params``, ``pack``/``unpack``, ``call``), ``capture`` (the captured and compiled engines).
+(``jvp``, ``jvp_params``, ``pack``/``call``/``unpack``, and the pieces the losses share:
+``scales``, ``clone_of``, ``swapped_tensors``), ``capture`` (the captured and compiled engines).
 """
 from . import structural  # noqa: F401  (registers the fast paths)
 from . import rules  # noqa: F401  (registers the rules)
-from .api import call, choose_scales, jvp, jvp_params, pack, primal_of, unpack
+from .api import call, choose_scales, clone_of, jvp, jvp_params, pack, primal_of, scales, swapped_tensors, unpack
 from .capture import JVPCaptureWarning
 from .dispatch import JVPFallbackWarning, UnsupportedOpError, fallback_mode, set_fallback
 from .functions import register_function_rule
@@ -16,6 +17,7 @@ from .tensor import CloneTensor, is_clone
 
 __all__ = [
     "CloneTensor", "JVPCaptureWarning", "JVPFallbackWarning", "UnsupportedOpError", "call", "choose_scales",
-    "fallback_mode", "is_clone", "jvp", "jvp_params", "pack", "primal_of", "register_function_rule",
-    "register_handler", "register_rule", "register_state", "rule_for", "set_fallback", "unpack",
+    "clone_of", "fallback_mode", "is_clone", "jvp", "jvp_params", "pack", "primal_of", "register_function_rule",
+    "register_handler", "register_rule", "register_state", "rule_for", "scales", "set_fallback",
+    "swapped_tensors", "unpack",
 ]

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import capture, functions
+from .dispatch import check_not_custom_output
 from .tensor import block_delta, is_clone, wrap
 
 _R_DEFAULT = 2.0 ** 20
@@ -59,16 +60,20 @@ def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) ->
     return s
 
 
-def _fixed_scales(scale: float, k: int, device) -> torch.Tensor:
-    if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
+def scales(pairs: Sequence[tuple], k: int, scale: Any = "auto") -> torch.Tensor:
+    """The ``(k,)`` float64 scales of one clone forward: :func:`choose_scales` for ``"auto"``, else ``scale``
+    for every tangent (a positive finite number). ``pairs``: ``(value, tangents (k, *value.shape))``."""
+    if scale == "auto":
+        return choose_scales(pairs, k)
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scale: expected 'auto' or a positive finite number, got {scale!r}")
-    return torch.full((k,), float(scale), dtype=torch.float64, device=device)
+    return torch.full((k,), float(scale), dtype=torch.float64, device=pairs[0][0].device)
 
 
-def _blocks(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Physical ``(k+1, *x.shape)`` batch ``[x; x + s_1 u_1; ...]``."""
+def clone_of(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, *, state: bool = False) -> torch.Tensor:
+    """The clone batch ``[x; x + s_1 u_1; ...]`` of ``x`` carrying tangents ``u`` (shape ``(k, *x.shape)``)."""
     sv = s.to(x.dtype if x.is_floating_point() else torch.float32).reshape(-1, *([1] * x.dim()))
-    return torch.cat([x.unsqueeze(0), x.unsqueeze(0) + sv * u])
+    return wrap(torch.cat([x.unsqueeze(0), x.unsqueeze(0) + sv * u]), state=state)
 
 
 def pack(primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor], *, scale: Any = "auto",
@@ -79,11 +84,10 @@ def pack(primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor], *, s
     and the ``(k,)`` scales to pass to :func:`unpack`. ``extra_pairs`` joins other
     ``(value, tangent)`` pairs (parameters) to the scale choice.
     """
-    functions.install()
     k = tangents[0].shape[0] if tangents else extra_pairs[0][1].shape[0]
     pairs = list(zip(primals, tangents)) + list(extra_pairs)
-    s = choose_scales(pairs, k) if scale == "auto" else _fixed_scales(scale, k, pairs[0][0].device)
-    return tuple(wrap(_blocks(x, u, s)) for x, u in zip(primals, tangents)), s
+    s = scales(pairs, k, scale)
+    return tuple(clone_of(x, u, s) for x, u in zip(primals, tangents)), s
 
 
 def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
@@ -110,6 +114,7 @@ def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
         return leaf, None
 
     leaves, spec = tree_flatten(out)
+    check_not_custom_output(leaves)
     pairs = [split(l) for l in leaves]
     return tree_unflatten([p[0] for p in pairs], spec), tree_unflatten([p[1] for p in pairs], spec)
 
@@ -148,7 +153,7 @@ def call(func: Callable, args: Sequence[Any], kwargs: Mapping[str, Any] | None =
     args, kwargs = tuple(args), dict(kwargs or {})
     if engine != "eager" and isinstance(target, nn.Module):
         return capture.call(target, args, kwargs, engine=engine)
-    with capture.uncompiled(target):
+    with functions.active(), capture.uncompiled(target):
         return target(*args, **kwargs)
 
 
@@ -220,25 +225,37 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
     return (out, tan, primal_of(aux)) if has_aux else (out, tan)
 
 
-@contextlib.contextmanager
-def swapped_tensors(module: nn.Module, replace: Mapping[torch.Tensor, torch.Tensor]):
-    """Temporarily put ``replace[p]`` wherever parameter/buffer ``p`` is registered in ``module`` (tied
-    uses included), restoring the originals on exit. One walk over the submodules' own dicts:
-    ``torch.func.functional_call`` rebuilds every parameter and buffer and costs 3-10% of a JVP."""
+def swap_in(module: nn.Module, replace: Mapping[torch.Tensor, torch.Tensor], *, buffers: bool = True) -> list:
+    """Put ``replace[p]`` wherever parameter (or buffer) ``p`` is registered in ``module``, tied uses
+    included; returns the ``(store, name, original)`` slots for :func:`restore`. One walk over the
+    submodules' own dicts (``torch.func.functional_call`` rebuilds every tensor: 3-10% of a JVP)."""
     slots = []
     by_id = {id(p): t for p, t in replace.items()}
     for sub in module.modules():
-        for store in (sub._parameters, sub._buffers):
+        for store in (sub._parameters, sub._buffers) if buffers else (sub._parameters,):
             for attr, value in store.items():
                 if value is not None and id(value) in by_id:
                     slots.append((store, attr, value))
+    for store, attr, value in slots:
+        store[attr] = by_id[id(value)]
+    return slots
+
+
+def restore(slots: list) -> None:
+    """Undo :func:`swap_in` (last swapped first)."""
+    while slots:
+        store, attr, value = slots.pop()
+        store[attr] = value
+
+
+@contextlib.contextmanager
+def swapped_tensors(module: nn.Module, replace: Mapping[torch.Tensor, torch.Tensor]):
+    """Context form of :func:`swap_in`: the originals are back on exit."""
+    slots = swap_in(module, replace)
     try:
-        for store, attr, value in slots:
-            store[attr] = by_id[id(value)]
         yield
     finally:
-        for store, attr, value in slots:
-            store[attr] = value
+        restore(slots)
 
 
 def _lookup_params(module: nn.Module, names: Mapping[str, torch.Tensor], where: str) -> Dict[str, torch.Tensor]:
@@ -273,8 +290,8 @@ def _run_with_plain_prefix(module: nn.Module, primals: tuple, kwargs: dict, k: i
         for b, saved in buffers:
             b.copy_(saved)
     _set_rng_state(rng, device)
-    zero = tuple(wrap(_blocks(p, torch.zeros((k - 1, *p.shape), dtype=p.dtype, device=p.device),
-                              torch.ones(k - 1, dtype=torch.float64, device=p.device)), state=True)
+    zero = tuple(clone_of(p, torch.zeros((k - 1, *p.shape), dtype=p.dtype, device=p.device),
+                          torch.ones(k - 1, dtype=torch.float64, device=p.device), state=True)
                  if isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex()) else p
                  for p in primals)
     return call(module, zero, kwargs, engine=engine)
@@ -337,11 +354,10 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
     if tangents is not None:
         inputs, s = pack(tuple(primals), tuple(lift(t) for t in tangents), scale=scale, extra_pairs=pairs)
     else:
-        functions.install()
         k = next(iter(ks))
-        s = choose_scales(pairs, k) if scale == "auto" else _fixed_scales(scale, k, pairs[0][0].device)
+        s = scales(pairs, k, scale)
         inputs = tuple(primals)
-    swapped = {n: wrap(_blocks(p, u, s)) for n, (p, u) in zip(params, pairs)}
+    swapped = {n: clone_of(p, u, s) for n, (p, u) in zip(params, pairs)}
     with swapped_tensors(module, {params[n]: t for n, t in swapped.items()}):
         if tangents is not None:
             result = call(module, inputs, kwargs, engine=engine)

@@ -52,6 +52,7 @@ from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import functions
 from . import tensor as _tensor
 from .tensor import CloneTensor
 
@@ -335,9 +336,6 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     inputs = [c.requires_grad_(leaves[i].requires_grad) for c, i in zip(copies, clone_pos)]
     inputs += [_phys(slot_values[j]) for j in slot_pos]
     device = next((t.device for t in inputs), torch.device("cpu"))
-    from . import functions
-
-    functions.install()
     with _restored_state(module, device), warnings.catch_warnings():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
@@ -505,8 +503,11 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
             ``torch.compile``), or ``"eager"`` (plain clone mode).
         fn: the callable to record (e.g. ``module.forward`` to skip the module's own hooks).
     """
-    kwargs = {} if kwargs is None else kwargs
-    fn = module if fn is None else fn
+    with functions.active():
+        return _call(module, args, {} if kwargs is None else kwargs, engine, module if fn is None else fn)
+
+
+def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callable) -> Any:
     if engine == "eager":
         with uncompiled(module):
             return fn(*args, **kwargs)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
+from torch.autograd.function import BackwardCFunction
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .registry import HANDLERS, REENTRANT, op_name
@@ -97,7 +98,31 @@ def _is_getter(func: Callable) -> bool:
     return getattr(func, "__name__", "") == "__get__" and type(self_obj).__name__ == "getset_descriptor"
 
 
+def check_not_custom_output(values: Any) -> None:
+    """Raise if a clone argument came out of a custom ``autograd.Function`` that bypassed the engine.
+
+    A reference to ``Fn.apply`` taken before the clone forward began (``f = Fn.apply`` at import)
+    calls torch's own ``apply``: the forward still runs op by op through the rules, but ``Fn.backward``
+    would differentiate the physical batch as if blocks were samples: wrong gradients."""
+    if not torch.is_grad_enabled():
+        return
+    with DisableTorchFunctionSubclass():
+        for v in values:
+            if isinstance(v, (list, tuple)):
+                check_not_custom_output(v)
+            elif type(v) is CloneTensor and isinstance(v.grad_fn, BackwardCFunction) and not v._jvp_routed:
+                cls = v.grad_fn._forward_cls
+                name = f"{cls.__module__}.{cls.__qualname__}"
+                raise UnsupportedOpError(
+                    f"jvpreg clone mode: the custom autograd.Function {name} ran on a clone batch through a "
+                    f"reference to `{cls.__qualname__}.apply` taken before the clone forward began (for example "
+                    f"`f = {cls.__qualname__}.apply` at import time); its backward would treat tangent blocks as "
+                    f"samples (wrong gradients). Call `{cls.__qualname__}.apply(...)` where it is used, so that "
+                    "jvpreg can route it (a registered rule or the exact fallback).")
+
+
 def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
+    check_not_custom_output(args)
     if kwargs and kwargs.get("out") is not None:
         raise UnsupportedOpError(
             f"jvpreg clone mode: {op_name(func)}(..., out=...) is not supported; use the out-of-place form "

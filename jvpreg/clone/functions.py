@@ -2,24 +2,25 @@
 
 ``Function.apply`` does not go through ``__torch_function__``: left alone, a custom Function would
 run its forward on the raw batch and its backward on tangent blocks as if they were samples. The
-engine therefore wraps ``Function.apply`` (once, on first use of clone mode): a call whose arguments
-hold a clone batch is routed to a rule registered for that Function class
+engine therefore wraps ``Function.apply`` while a clone forward runs (:func:`active`, entered by
+:func:`jvpreg.clone.call`; the original is put back when the outermost forward ends, so nothing of
+torch's global state is changed outside a clone forward): a call whose arguments hold a clone batch is routed to a rule registered for that Function class
 (:func:`register_function_rule`), else to the exact fallback (``torch.func.jvp``, which needs the
 Function to define ``setup_context`` and ``jvp``), else to a clear error. Calls without clone
 arguments go straight to the original ``apply``.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+import contextlib
+from typing import Callable, Dict, Iterator
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .dispatch import fallback
-from .tensor import _CAPTURING, iter_clones
+from .tensor import _ACTIVE, _CAPTURING, iter_clones
 
 FUNCTION_RULES: Dict[type, Callable] = {}
-_STATE = {"installed": False, "orig": None}
 
 
 def register_function_rule(function_cls: type) -> Callable:
@@ -46,30 +47,46 @@ class _FunctionCall:
         return self.orig(self.cls, *args, **kwargs)
 
 
-def install() -> None:
-    """Wrap ``torch.autograd.Function.apply`` (idempotent)."""
-    if _STATE["installed"]:
-        return
-    desc = torch.autograd.Function.__dict__["apply"]  # a classmethod (Python or C descriptor)
+@contextlib.contextmanager
+def active() -> Iterator[None]:
+    """Scope of a clone forward (reentrant): ``Function.apply`` is routed for clone arguments inside it."""
+    if _ACTIVE[0] == 0:
+        _install()
+    _ACTIVE[0] += 1
+    try:
+        yield
+    finally:
+        _ACTIVE[0] -= 1
+        if _ACTIVE[0] == 0:
+            _uninstall()
 
-    def orig(cls, *args, **kwargs):
-        return desc.__get__(None, cls)(*args, **kwargs)
 
-    _STATE["orig"] = desc
+_ORIG_APPLY = torch.autograd.Function.__dict__["apply"]  # a classmethod (Python or C descriptor)
 
-    def apply(cls, *args, **kwargs):
-        if next(iter_clones((args, kwargs)), None) is None:
-            if _CAPTURING[0] is not None and torch.is_grad_enabled():
-                from .capture import CaptureError
 
-                raise CaptureError(f"the custom autograd.Function {cls.__qualname__} runs on plain tensors (its "
-                                   "backward would not be replayed)")
-            return orig(cls, *args, **kwargs)
-        rule = FUNCTION_RULES.get(cls)
-        with DisableTorchFunctionSubclass():
-            if rule is not None:
-                return rule(args, kwargs)
-            return fallback(_FunctionCall(cls, orig), args, kwargs)
+def _orig(cls, *args, **kwargs):
+    return _ORIG_APPLY.__get__(None, cls)(*args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)
-    _STATE["installed"] = True
+
+def _apply(cls, *args, **kwargs):
+    if next(iter_clones((args, kwargs)), None) is None:
+        if _CAPTURING[0] is not None and torch.is_grad_enabled():
+            from .capture import CaptureError
+
+            raise CaptureError(f"the custom autograd.Function {cls.__qualname__} runs on plain tensors (its "
+                               "backward would not be replayed)")
+        return _orig(cls, *args, **kwargs)
+    rule = FUNCTION_RULES.get(cls)
+    with DisableTorchFunctionSubclass():
+        out = rule(args, kwargs) if rule is not None else fallback(_FunctionCall(cls, _orig), args, kwargs)
+    for leaf in iter_clones(out):
+        leaf._jvp_routed = True
+    return out
+
+
+def _install() -> None:
+    torch.autograd.Function.apply = classmethod(_apply)
+
+
+def _uninstall() -> None:
+    torch.autograd.Function.apply = _ORIG_APPLY

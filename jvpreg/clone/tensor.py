@@ -34,9 +34,15 @@ class CloneTensor(torch.Tensor):
     """
 
     _jvp_state: bool = False
+    _jvp_routed: bool = False  # output of a custom autograd.Function routed by jvpreg.clone.functions
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if not _ACTIVE[0]:
+            raise RuntimeError(
+                f"jvpreg clone mode: {getattr(func, '__name__', func)} was called on a clone batch outside a clone "
+                "forward. Run the forward with jvpreg.clone.call(model, clones) (or jvpreg.jvp), which also "
+                "routes custom autograd.Functions; read its output with jvpreg.clone.unpack.")
         return _DISPATCH[0](func, args, kwargs or {})
 
     def as_subclass(self, cls):
@@ -53,6 +59,7 @@ class CloneTensor(torch.Tensor):
 
 
 _DISPATCH: list = [None]  # set by jvpreg.clone.dispatch (which imports this module)
+_ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.functions.active)
 _CAPTURING: list = [None]  # the tracer while jvpreg.clone.capture records a clone forward, else None
 
 

@@ -38,12 +38,9 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
 
 from ..clone import api as _api
 from ..clone import capture as _capture
-from ..clone import functions as _functions
-from ..clone.tensor import wrap as _wrap
 from . import sharded as _sharded
 
 __all__ = [
@@ -311,7 +308,9 @@ class Plan:
         from their unsharded values inside the forward, :func:`jvpreg.losses.sharded.swapped_unsharded`)."""
         with contextlib.ExitStack() as stack:
             if self.params:
-                stack.enter_context(_reparametrize_module(model, dict(self.params), tie_weights=True))
+                named = dict(model.named_parameters())
+                named.update(model.named_buffers())
+                stack.enter_context(_api.swapped_tensors(model, {named[n]: c for n, c in self.params.items()}))
             if self.sharded:  # FSDP2: cloned from the unsharded weights, inside the forward
                 stack.enter_context(_sharded.swapped_unsharded(model, self.sharded, self.scales))
             yield
@@ -488,11 +487,9 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
     if with_input:
         (x_in,), s = _api.pack((x,), (fill(input_dirs, x),), scale=scale, extra_pairs=scale_pairs)
     else:
-        _functions.install()
-        s = (_api.choose_scales(scale_pairs, total_k) if scale == "auto"
-             else _api._fixed_scales(scale, total_k, x.device))
+        s = _api.scales(scale_pairs, total_k, scale)
         x_in = x
-    params = {name: _wrap(_api._blocks(p, u, s)) for name, (p, u) in zip(param_names, pairs)
+    params = {name: _api.clone_of(p, u, s) for name, (p, u) in zip(param_names, pairs)
               if not _sharded.is_sharded(p)}
     sharded = {name: u for name, (p, u) in zip(param_names, pairs) if _sharded.is_sharded(p)}
     return Plan(x_in=x_in, scales=s, params=params, slots=slots, sharded=sharded)

@@ -192,7 +192,7 @@ class JacobianSpectralNorm(JVPPenalty):
             for _ in range(n):
                 leaf = v.detach().requires_grad_()
                 (c,), s = _api.pack((x,), (leaf[None],))
-                _, t = _api.unpack(context.forward(c), s)
+                _, t = _api.unpack(_api.call(context.forward, (c,)), s)
                 t = select_output(t, self.output_key, type(self).__name__)
                 (g,) = torch.autograd.grad(accum(t).pow(2).sum(), leaf)
                 self._store(g)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..clone import api as _api
-from ..clone.tensor import is_clone, wrap as _wrap
+from ..clone.tensor import is_clone
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -154,19 +154,13 @@ def swapped_unsharded(model: nn.Module, directions: Dict[str, torch.Tensor], sca
                     "(tensor parallelism, or a fully_shard-ed ancestor whose forward is not running). Weight "
                     "directions need FSDP2 alone, with the regularized module called inside its manager's forward.")
             if id(w) not in clones:
-                clones[id(w)] = _wrap(_api._blocks(w, u.to(device=w.device, dtype=w.dtype), scales))
-            replace[id(w)] = clones[id(w)]
-        for sub in manager.modules():  # tied uses included
-            for attr, value in sub._parameters.items():
-                if value is not None and id(value) in replace:
-                    saved[path].append((sub._parameters, attr, value))
-                    sub._parameters[attr] = replace[id(value)]
+                clones[id(w)] = _api.clone_of(w, u.to(device=w.device, dtype=w.dtype), scales)
+            replace[w] = clones[id(w)]
+        saved[path] += _api.swap_in(manager, replace, buffers=False)  # tied uses included
         called.add(path)
 
     def restore(path: str) -> None:
-        while saved[path]:
-            store, attr, value = saved[path].pop()
-            store[attr] = value
+        _api.restore(saved[path])
 
     for path, (manager, items) in groups.items():
         handles.append(manager.register_forward_pre_hook(lambda m, a, k, path=path: swap(path), with_kwargs=True))

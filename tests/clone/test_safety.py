@@ -121,7 +121,49 @@ def test_autograd_function_without_jvp_raises(function):
 
 def test_autograd_function_error_names_register_function_rule():
     with pytest.raises(jvpreg.UnsupportedOpError, match="register_function_rule"):
-        jvpreg.jvp(ExpNoJvp.apply, (X,), (U,))
+        jvpreg.jvp(lambda x: ExpNoJvp.apply(x), (X,), (U,))
+
+
+EXP_APPLY = ExpNoJvp.apply  # bound before any clone forward: torch's own apply, not jvpreg's routing
+
+
+def test_custom_function_bound_before_the_forward_is_refused_under_autograd():
+    """Its forward runs op by op through the rules, but its backward would see blocks as samples."""
+    x = X.clone().requires_grad_(True)
+    with pytest.raises(jvpreg.UnsupportedOpError, match=r"ExpNoJvp(.|\n)*taken before the clone forward"):
+        jvpreg.jvp(lambda x: EXP_APPLY(x) * 2, (x,), (U,))
+    with pytest.raises(jvpreg.UnsupportedOpError, match="taken before the clone forward"):
+        jvpreg.jvp(EXP_APPLY, (x,), (U,))  # the custom output is the result itself
+
+
+def test_custom_function_bound_before_the_forward_is_exact_without_autograd():
+    """No backward is built: the forward ran through the rules, so the JVP is exact."""
+    y, t = jvpreg.jvp(lambda x: EXP_APPLY(x) * 2, (X,), (U,))
+    torch.testing.assert_close(t, 2 * X.exp() * U, rtol=1e-12, atol=0)
+    torch.testing.assert_close(y, 2 * X.exp(), rtol=0, atol=0)
+
+
+def test_function_apply_is_restored_outside_a_clone_forward():
+    """No global torch state changes outside an active clone forward (routing lives in `call`)."""
+    orig = torch.autograd.Function.__dict__["apply"]
+    seen = []
+
+    def f(x):
+        seen.append(torch.autograd.Function.__dict__["apply"])
+        return ExpWithJvp.apply(x)
+
+    with pytest.warns(jvpreg.JVPFallbackWarning):
+        jvpreg.jvp(f, (X,), (U,))
+    assert seen and seen[0] is not orig
+    assert torch.autograd.Function.__dict__["apply"] is orig
+
+
+def test_clone_batch_outside_a_clone_forward_is_refused():
+    (cx,), _ = jvpreg.clone.pack((X,), (U[None],))
+    with pytest.raises(RuntimeError, match=r"outside a clone forward(.|\n)*jvpreg.clone.call"):
+        cx.exp()
+    out, tan = jvpreg.clone.unpack(jvpreg.clone.call(torch.exp, (cx,)), _)
+    torch.testing.assert_close(tan[0], X.exp() * U, rtol=1e-12, atol=0)
 
 
 def test_autograd_function_with_jvp_uses_exact_fallback(fresh_warnings):

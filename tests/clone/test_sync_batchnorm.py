@@ -29,7 +29,7 @@ def _worker(rank, world, port, x, u, w, b, out_dir):
     w = w.clone().requires_grad_(True)
     rm, rv = torch.zeros(w.shape[0], dtype=x.dtype), torch.ones(w.shape[0], dtype=x.dtype)
     (cx,), s = pack((xs,), (us[None],))
-    y = SyncBN.apply(cx, w, b, rm, rv, 1e-5, 0.1, dist.group.WORLD, world)
+    y = jvpreg.clone.call(lambda c: SyncBN.apply(c, w, b, rm, rv, 1e-5, 0.1, dist.group.WORLD, world), (cx,))
     y0, t = unpack(y, s, batched=False)
     (gw,) = torch.autograd.grad(t.pow(2).sum() + y0.pow(2).sum(), w)
     torch.save({"y": y0.detach(), "t": t.detach(), "gw": gw, "rm": rm, "rv": rv}, os.path.join(out_dir, f"{rank}.pt"))
