@@ -3,9 +3,14 @@
 ``assert_tree_close(got, want, rtol=1e-10, what="")``: same pytree structure; float leaves equal to ``rtol``
 with ``atol = rtol * max|want|`` (1 for an all-zero reference); integer/bool leaves exactly; other leaves
 with ``==``. Import it as ``from conftest import assert_tree_close`` (pytest puts ``tests/`` on the path).
+
+Slow tests (``@pytest.mark.slow``: the OpInfo sweep, DDP/FSDP workers, float32 whole-model checks,
+Hydra runs in subprocesses) are deselected unless ``--slow`` is given (or an explicit ``-m``):
+``python -m pytest tests -q`` is the quick run, ``python -m pytest tests -q --slow`` everything (CI).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -29,3 +34,17 @@ def assert_tree_close(got, want, rtol: float = RTOL, what: str = "") -> None:
             torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}[{i}]: {m}")
         else:
             assert torch.equal(g, w.to(g.dtype)), f"{what}[{i}]: integer outputs differ"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked slow (CI runs everything)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]

@@ -35,6 +35,7 @@ def grid(tmp_path_factory):
     return out, json.loads((out / "tiny.json").read_text())
 
 
+@pytest.mark.slow
 def test_grid_writes_json_markdown_and_plot(grid):
     out, result = grid
     assert (out / "tiny.md").stat().st_size > 0
@@ -46,6 +47,7 @@ def test_grid_writes_json_markdown_and_plot(grid):
     assert [(r["model"], r["kind"]) for r in result["rows"]] == [("rnn", "x"), ("rnn", "w"), ("unet", "x"), ("unet", "w")]
 
 
+@pytest.mark.slow
 def test_grid_cells_are_timed_and_checked_against_clone(grid):
     _, result = grid
     for row in result["rows"]:
@@ -66,6 +68,7 @@ def test_grid_cells_are_timed_and_checked_against_clone(grid):
     assert summ["models"] == 2 and summ["speedup_geo"] > 0
 
 
+@pytest.mark.slow
 def test_markdown_is_laid_out_like_the_paper(grid):
     out, result = grid
     md = (out / "tiny.md").read_text()
@@ -85,6 +88,7 @@ def _raise(exc):
     return build
 
 
+@pytest.mark.slow
 def test_failing_methods_are_recorded_not_raised(monkeypatch, tmp_path):
     monkeypatch.setitem(paper.METHODS, "broken", paper.Method("broken", "broken", _raise(RuntimeError("boom: injected"))))
     monkeypatch.setitem(paper.METHODS, "oomer", paper.Method(
@@ -104,6 +108,7 @@ def test_failing_methods_are_recorded_not_raised(monkeypatch, tmp_path):
     assert "fails: RuntimeError: boom: injected" in md and "| - |" in md and "-*" in md and "∞" in md
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_be_built_is_a_failed_row(monkeypatch, tmp_path):
     monkeypatch.setattr(paper, "model_setting", lambda name, size: (size, {"bogus_kwarg": 1}))
     rc = paper.main(["--models", "rnn", "--kinds", "x", "--methods", "clone,func_jvp", *TINY, "--profile", "none",
@@ -169,6 +174,7 @@ def test_budget_lowers_repeats_but_keeps_two():
     assert paper._budgeted(5.0, s) == (0, 2)
 
 
+@pytest.mark.slow
 def test_profile_row_lists_top_ops():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)).eval()
@@ -194,6 +200,7 @@ def test_operators_benchmark_end_to_end(tmp_path):
     assert math.isfinite(result["summary"]["conv"]["2"]["vs_2B"])
 
 
+@pytest.mark.slow
 def test_from_json_rerenders_with_findings(grid, tmp_path):
     out, _ = grid
     (tmp_path / "tiny.json").write_text((out / "tiny.json").read_text())

@@ -249,6 +249,7 @@ def worker_exact(rank: int) -> None:
             _check_penalty(rank, net_name, pen_name)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_fsdp2_penalties_and_jvps_match_unsharded_ddp():
     """Every penalty, conv + train-mode BatchNorm and a transformer block, nested ``fully_shard``."""

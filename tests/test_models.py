@@ -141,6 +141,7 @@ def test_pretrained_weights_rejected() -> None:
         build_model("resnet18", in_channels=3, num_classes=10, image_size=32, weights="DEFAULT")
 
 
+@pytest.mark.slow
 def test_models_import_without_hydra_or_wandb() -> None:
     code = (
         "import sys, jvpreg.models\n"

@@ -113,6 +113,7 @@ def _entry(name):
     return [exe] if exe else [sys.executable, "-m", {"jvpreg-train": "jvpreg.train", "jvpreg-eval": "jvpreg.evaluate"}[name]]
 
 
+@pytest.mark.slow
 def test_default_run_entry_point_wandb_offline(tmp_path):
     """The default config via the installed console script, from an unrelated folder, W&B offline."""
     out = tmp_path / "run"
@@ -130,6 +131,7 @@ def test_default_run_entry_point_wandb_offline(tmp_path):
     assert 0.0 <= result["metrics"]["test/acc"] <= 1.0
 
 
+@pytest.mark.slow
 def test_multirun_two_jobs_each_its_own_wandb_run(tmp_path):
     sweep = tmp_path / "sweep"
     _run([sys.executable, "-m", "jvpreg.train", "-m", "regularizer.weight=0,0.003", f"hydra.sweep.dir={sweep}",

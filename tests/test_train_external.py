@@ -59,6 +59,7 @@ def test_more_architectures_train_with_jacobian_regularization(tmp_path, source)
     assert len(_penalties(result)) == 1
 
 
+@pytest.mark.slow
 def test_hf_short_run_evaluates_robustness_and_names_the_model(tmp_path):
     pytest.importorskip("transformers")
     result, objects = train(make_cfg(tmp_path, [

@@ -25,8 +25,19 @@ def _failures(results):
     return [r for r in results if r.kind in ("mismatch", "crash")]
 
 
-@pytest.mark.parametrize("op", OPS, ids=[f"{o.name}.{o.variant_test_name}" if o.variant_test_name else o.name
-                                         for o in OPS])
+# one op per rule family runs in the quick test run; the whole database with --slow (CI)
+QUICK = {"nn.functional.relu", "nn.functional.gelu", "tanh", "softmax", "log_softmax", "masked_fill", "where",
+         "matmul", "nn.functional.conv2d", "nn.functional.layer_norm", "nn.functional.batch_norm",
+         "nn.functional.max_pool2d", "nn.functional.scaled_dot_product_attention", "nn.functional.embedding",
+         "amax", "logsumexp", "cumsum", "index_put", "scatter_add", "clamp", "mul", "div.no_rounding_mode"}
+
+
+def _key(op) -> str:
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in QUICK else pytest.mark.slow)
+                                for o in OPS])
 def test_opinfo_exact_or_clear_error(op):
     key = f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
     bad = _failures(sweep.run_op(op))

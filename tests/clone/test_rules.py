@@ -152,7 +152,7 @@ def cases(settings: list) -> pytest.MarkDecorator:
     assert len(set(ids)) == len(ids), "duplicate setting ids"
     params = [
         pytest.param(s, id=s["id"], marks=pytest.mark.xfail(reason="engine bug: " + s["xfail"], strict=True))
-        if "xfail" in s else pytest.param(s, id=s["id"])
+        if "xfail" in s else pytest.param(s, id=s["id"], marks=pytest.mark.slow if s.get("slow") else ())
         for s in settings
     ]
     return pytest.mark.parametrize("setting", params)
@@ -637,14 +637,14 @@ RECURRENT_SETTINGS = [
     {"id": "rnn-no-bias", "module": rnn(nn.RNN, bias=False), "input_shape": (3, 2, 4)},
     {"id": "rnn-unbatched", "module": rnn(nn.RNN, nonlinearity="relu"), "input_shape": (3, 4)},
     {"id": "lstm", "module": rnn(nn.LSTM), "input_shape": (3, 2, 4)},
-    {"id": "lstm-2layers-bidirectional-batch_first",
+    {"id": "lstm-2layers-bidirectional-batch_first", "slow": True,
      "module": rnn(nn.LSTM, num_layers=2, bidirectional=True, batch_first=True), "input_shape": (2, 3, 4)},
     {"id": "lstm-proj_size", "module": rnn(nn.LSTM, proj_size=3), "input_shape": (3, 2, 4)},
-    {"id": "lstm-proj_size-2layers-bidirectional", "module": rnn(nn.LSTM, proj_size=3, num_layers=2,
+    {"id": "lstm-proj_size-2layers-bidirectional", "slow": True, "module": rnn(nn.LSTM, proj_size=3, num_layers=2,
                                                                  bidirectional=True), "input_shape": (3, 2, 4)},
     {"id": "lstm-no-bias", "module": rnn(nn.LSTM, bias=False), "input_shape": (3, 2, 4)},
     {"id": "gru", "module": rnn(nn.GRU), "input_shape": (3, 2, 4)},
-    {"id": "gru-2layers-bidirectional-batch_first",
+    {"id": "gru-2layers-bidirectional-batch_first", "slow": True,
      "module": rnn(nn.GRU, num_layers=2, bidirectional=True, batch_first=True), "input_shape": (2, 3, 4)},
 ]
 
