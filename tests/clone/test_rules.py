@@ -765,3 +765,37 @@ def test_kink_slopes(setting):
     with fallback_mode("error"):
         _, t = jvpreg.jvp(setting["func"], (x,), (u,))
     torch.testing.assert_close(t, expected, rtol=0, atol=1e-12)
+
+
+NORM_PARAM_SETTINGS = [  # batch == k: a block dim broadcast against the batch dim would go unnoticed
+    ("layernorm-2d", lambda: nn.LayerNorm(5), (2, 5)),
+    ("layernorm-3d", lambda: nn.LayerNorm(5), (3, 4, 5)),
+    ("layernorm-2dims", lambda: nn.LayerNorm((4, 5)), (2, 4, 5)),
+    ("groupnorm", lambda: nn.GroupNorm(2, 4), (2, 4, 3)),
+    ("batchnorm-train", lambda: nn.BatchNorm1d(4), (2, 4, 3)),
+    ("batchnorm-eval", lambda: nn.BatchNorm1d(4).eval(), (2, 4, 3)),
+    ("instancenorm", lambda: nn.InstanceNorm1d(4, affine=True), (2, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("make, shape", [s[1:] for s in NORM_PARAM_SETTINGS], ids=[s[0] for s in NORM_PARAM_SETTINGS])
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_norm_affine_parameter_directions_with_several_tangents(make, shape, engine):
+    """``xhat * dgamma_j + dbeta_j`` for k = 2 weight directions against torch.func, in float64."""
+    torch.manual_seed(0)
+    m = make().double()
+    with torch.no_grad():
+        m.weight.normal_()
+        m.bias.normal_()
+    x = torch.randn(*shape, dtype=D)
+    dirs = {n: torch.randn(2, *p.shape, dtype=D) for n, p in m.named_parameters()}
+    ref_m = copy.deepcopy(m)
+    if ref_m.training and getattr(ref_m, "running_mean", None) is not None:
+        ref_m.running_mean = ref_m.running_var = ref_m.num_batches_tracked = None  # batch statistics, no in-place update under torch.func
+    _, t = jvpreg.jvp_params(m, (x,), dirs, batched_tangents=True, engine=engine)
+    params = dict(ref_m.named_parameters())
+    ref = torch.stack([
+        torch.func.jvp(lambda *ps: torch.func.functional_call(ref_m, dict(zip(params, ps)), (x,)),
+                       tuple(params.values()), tuple(dirs[n][j] for n in params))[1]
+        for j in range(2)])
+    torch.testing.assert_close(t, ref, rtol=1e-10, atol=1e-10)

@@ -43,32 +43,39 @@ def _batch_input(input, weight, bias):
     return wrap(tile(input, k), state=True)
 
 
+def affine_tangent(xhat: torch.Tensor, weight, bias, view) -> torch.Tensor | None:
+    """``xhat * dgamma_j + dbeta_j``, shape ``(k-1, *xhat.shape)``: the tangent of ``gamma * xhat + beta``
+    carried by the affine parameters' blocks (``None`` if neither varies). ``view(p)`` reshapes one block
+    of a per-feature parameter to broadcast against ``xhat``."""
+    def blocks(dp):  # (k-1, 1.., *view) so the block dim never meets a dim of xhat
+        v = view(dp[0])
+        return dp.reshape(dp.shape[0], *([1] * (xhat.dim() - v.dim())), *v.shape)
+
+    dw, db = _delta(weight), _delta(bias)
+    t = None if dw is None else xhat * blocks(dw)
+    if db is not None:
+        t = blocks(db) if t is None else t + blocks(db)
+    return t
+
+
 def linearized_norm(x, out_a, xhat, rstd, red_dims: Sequence[int], weight, bias, affine_shape):
     """Assemble ``[out_a; out_j]`` for a normalisation with primal statistics (see module doc).
 
     ``red_dims`` are negative dims of the primal block; ``affine_shape(p)`` reshapes a
     per-feature parameter so it broadcasts against the primal block.
     """
-    k1 = x.shape[0] - 1 if is_clone(x) else None
-    parts = []
+    k1 = next(t.shape[0] - 1 for t in (x, weight, bias) if is_clone(t))
+    tan = None
     d = _delta(x)
     if d is not None:
         rd = tuple(red_dims)
         dn = d - d.mean(rd, keepdim=True) - xhat * (d * xhat).mean(rd, keepdim=True)
-        g = rstd if weight is None else rstd * affine_shape(_primal(weight))
-        parts.append(g * dn)
-    dw, db = _delta(weight), _delta(bias)
-    if dw is not None:
-        parts.append(xhat * dw.reshape(dw.shape[0], *affine_shape(dw[0]).shape))
-    if db is not None:
-        parts.append(db.reshape(db.shape[0], *affine_shape(db[0]).shape))
-    if k1 is None:
-        k1 = next(t.shape[0] - 1 for t in (weight, bias) if is_clone(t))
-    if not parts:
+        tan = (rstd if weight is None else rstd * affine_shape(_primal(weight))) * dn
+    params = affine_tangent(xhat, weight, bias, affine_shape)
+    if params is not None:
+        tan = params if tan is None else tan + params
+    if tan is None:
         return tile(out_a, k1 + 1)
-    tan = parts[0]
-    for p in parts[1:]:
-        tan = tan + p
     tan = out_a + tan
     if tan.dim() == out_a.dim():
         tan = tan.unsqueeze(0).expand(k1, *out_a.shape)
@@ -96,12 +103,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         xhat = (a - ch(running_mean)) * ch(torch.rsqrt(running_var + eps))
         k = (input if is_clone(input) else (weight if is_clone(weight) else bias)).shape[0]
         tan = out[1:] if is_clone(input) else tile(out_a, k)[1:]
-        dw, db = _delta(weight), _delta(bias)
-        if dw is not None:
-            tan = tan + xhat * dw.reshape(dw.shape[0], *ch(dw[0]).shape)
-        if db is not None:
-            tan = tan + db.reshape(db.shape[0], *ch(db[0]).shape)
-        return stack_blocks(out_a, tan)
+        return stack_blocks(out_a, tan + affine_tangent(xhat, weight, bias, ch))
     # The primal block is the very call a plain forward makes (bit-identical output and running statistics,
     # updated once); the tangent is batch norm's own input-gradient kernel applied to d_j.
     out_a = F.batch_norm(a, running_mean, running_var, w0, b0, True, 0.0 if momentum is None else momentum, eps)
@@ -124,18 +126,14 @@ def _bn_tangents(x, a, out_a, mean, invstd, weight, bias, eps, ch):
             t = t + torch.ops.aten.native_batch_norm_backward(
                 d[j], a, w0, None, None, mean, invstd, True, eps, [True, False, False])[0]
         tans.append(t)
-    dw, db = _delta(weight), _delta(bias)
-    if dw is not None or db is not None:
+    tan = torch.stack(tans)
+    if _delta(weight) is not None or _delta(bias) is not None:
         # differentiable statistics here (the kernel's saved mean/invstd carry no gradient)
         dims = (0,) + tuple(range(2, a.dim()))
         var, mu = torch.var_mean(a, dim=dims, correction=0, keepdim=True)
         xhat = (a - mu) * torch.rsqrt(var + eps)
-        for j in range(k - 1):
-            if dw is not None:
-                tans[j] = tans[j] + xhat * ch(dw[j])
-            if db is not None:
-                tans[j] = tans[j] + ch(db[j])
-    return stack_blocks(out_a, torch.stack(tans))
+        tan = tan + affine_tangent(xhat, weight, bias, ch)
+    return stack_blocks(out_a, tan)
 
 
 @register_rule(torch.batch_norm)
@@ -200,12 +198,8 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     ch = lambda p: _channel_view(p, a.dim())
     if weight is not None:
         dn = dn * ch(w0)
-    dw, db = _delta(weight), _delta(bias)
-    if dw is not None:
-        dn = dn + xhat * dw.reshape(k1, *ch(w0).shape)
-    if db is not None:
-        dn = dn + db.reshape(k1, *ch(b0).shape)
-    return stack_blocks(out_a, out_a + dn)
+    params = affine_tangent(xhat, weight, bias, ch)
+    return stack_blocks(out_a, out_a + (dn if params is None else dn + params))
 
 
 def _sync_batch_norm_rule(args, kwargs):
@@ -246,15 +240,11 @@ def _sync_batch_norm_rule(args, kwargs):
     md = sums[: k1 * c].reshape(k1, 1, c, *([1] * (a.dim() - 2))) / n
     mdx = sums[k1 * c:].reshape(k1, 1, c, *([1] * (a.dim() - 2))) / n
     g = rstd if w0 is None else rstd * ch(w0)
-    tan = out_a + g * (d - md - xhat * mdx)
-    dw, db = _delta(weight), _delta(bias)
-    if dw is not None:
-        tan = tan + xhat * dw.reshape(k1, *ch(w0).shape)
-    if db is not None:
-        tan = tan + db.reshape(k1, *ch(b0).shape)
+    tan = g * (d - md - xhat * mdx)
+    params = affine_tangent(xhat, weight, bias, ch)
     from ..tensor import wrap
 
-    return wrap(torch.cat([out_a[None], tan]))
+    return wrap(stack_blocks(out_a, out_a + (tan if params is None else tan + params)))
 
 
 try:  # the autograd.Function behind nn.SyncBatchNorm (world size > 1)
