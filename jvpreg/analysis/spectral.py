@@ -199,18 +199,12 @@ def top_singular_values(model: Callable, x: torch.Tensor, k: int, *, tol: float 
     dtype, device = op.dtype, op.device
     V = _start(where, init, B, m, d_in, dtype=dtype, device=device, generator=generator)
 
-    values = torch.zeros(B, k, dtype=dtype, device=device)
-    left = torch.zeros(B, k, d_out, dtype=dtype, device=device) if return_vectors else None
-    right = torch.zeros(B, k, d_in, dtype=dtype, device=device) if return_vectors else None
-    residual = torch.full((B,), float("nan"), dtype=dtype, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    change = torch.full((B,), float("inf"), dtype=dtype, device=device)
-    active = torch.arange(B, device=device)
-    prev = None
+    out = {"values": torch.zeros(B, k, dtype=dtype, device=device),
+           "left": torch.zeros(B, k, d_out, dtype=dtype, device=device) if return_vectors else None,
+           "right": torch.zeros(B, k, d_in, dtype=dtype, device=device) if return_vectors else None}
     eps = torch.finfo(dtype).eps
-    n_iter = 0
-    for it in range(1, max_iter + 1):
-        n_iter = it
+
+    def step(op, V, prev):
         Y = op.jvp(V)                                                    # (b, m, D_out)
         U, S, Wh = torch.linalg.svd(Y.transpose(1, 2), full_matrices=False)
         Ul = U.transpose(1, 2)                                           # (b, m, D_out)
@@ -223,12 +217,51 @@ def top_singular_values(model: Callable, x: torch.Tensor, k: int, *, tol: float 
             ch = torch.full_like(top[:, 0], float("inf"))
         else:
             ch = ((top - prev).abs() / torch.maximum(top, eps * scale)).amax(dim=1)
-        values[active] = top
+        return top, res, ch, {"left": Ul[:, :k], "right": R[:, :k]}, Z
+
+    it = _iterate(where, op, V, step, out, tol=tol, max_iter=max_iter)
+    return SpectralResult(values=out["values"], left=out["left"], right=out["right"], converged=it.converged,
+                          n_iter=it.n_iter, residual=it.residual, sample_converged=it.done, rel_change=it.change,
+                          stats=it.stats)
+
+
+@dataclass
+class _Iteration:
+    n_iter: int
+    done: torch.Tensor
+    residual: torch.Tensor
+    change: torch.Tensor
+    stats: dict
+
+    @property
+    def converged(self) -> bool:
+        return bool(self.done.all())
+
+
+def _iterate(where: str, op: PerSampleJacobian, V: torch.Tensor, step: Callable, out: dict, *, tol: float,
+             max_iter: int) -> _Iteration:
+    """The per-sample block iteration shared by both solvers: ``V <- orth(next)`` on the samples that have not
+    converged (``rel. change <= tol``), which leave the operator's batch; their results stay in ``out``.
+
+    ``step(op, V, prev) -> (top, residual, change, results, next)`` runs one iteration on the active samples
+    (``prev``: their previous ``top``, ``None`` at first); ``results[name]`` goes to ``out[name][active]``.
+    """
+    B, dtype, device = op.batch_size, op.dtype, op.device
+    residual = torch.full((B,), float("nan"), dtype=dtype, device=device)
+    change = torch.full((B,), float("inf"), dtype=dtype, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    active = torch.arange(B, device=device)
+    prev = None
+    n_iter = 0
+    for it in range(1, max_iter + 1):
+        n_iter = it
+        top, res, ch, results, nxt = step(op, V, prev)
+        out["values"][active] = top
         residual[active] = res
         change[active] = ch
-        if return_vectors:
-            left[active] = Ul[:, :k]
-            right[active] = R[:, :k]
+        for name, value in results.items():
+            if out.get(name) is not None:
+                out[name][active] = value
         conv = ch <= tol if tol > 0 else torch.zeros_like(ch, dtype=torch.bool)
         done[active[conv]] = True
         if bool(conv.all()):
@@ -238,12 +271,11 @@ def top_singular_values(model: Callable, x: torch.Tensor, k: int, *, tol: float 
             if not bool(keep.all()):
                 active = active[keep]
                 op = op.subset(keep.nonzero().squeeze(1))
-            V = _orth(Z[keep])
+            V = _orth(nxt[keep])
             prev = top[keep]
     if not bool(done.all()):
         _warn_not_converged(where, done, change[~done], tol, max_iter)
-    return SpectralResult(values=values, left=left, right=right, converged=bool(done.all()), n_iter=n_iter,
-                          residual=residual, sample_converged=done, rel_change=change, stats=dict(op.stats))
+    return _Iteration(n_iter=n_iter, done=done, residual=residual, change=change, stats=dict(op.stats))
 
 
 def _sort_eig(lam: torch.Tensor, S: torch.Tensor):
@@ -297,17 +329,11 @@ def top_eigenvalues(model: Callable, x: torch.Tensor, k: int, *, tol: float = 1e
     cdtype = torch.complex128 if dtype == torch.float64 else torch.complex64
     V = _start(where, init, B, m, d, dtype=dtype, device=device, generator=generator)
 
-    values = torch.zeros(B, k, dtype=cdtype, device=device)
-    vectors = torch.zeros(B, k, d, dtype=cdtype, device=device) if return_vectors else None
-    residual = torch.full((B,), float("nan"), dtype=dtype, device=device)
-    change = torch.full((B,), float("inf"), dtype=dtype, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    active = torch.arange(B, device=device)
-    prev = None
+    out = {"values": torch.zeros(B, k, dtype=cdtype, device=device),
+           "vectors": torch.zeros(B, k, d, dtype=cdtype, device=device) if return_vectors else None}
     tiny = torch.finfo(dtype).tiny
-    n_iter = 0
-    for it in range(1, max_iter + 1):
-        n_iter = it
+
+    def step(op, V, prev):
         Y = op.jvp(V)                                                    # (b, m, D) rows J v_j
         H = V @ Y.transpose(1, 2)                                        # H[a, b] = v_a · J v_b
         lam, S = torch.linalg.eig(H)                                     # columns of S: eigvecs
@@ -323,23 +349,8 @@ def top_eigenvalues(model: Callable, x: torch.Tensor, k: int, *, tol: float = 1e
         else:
             dist = (top.unsqueeze(-1) - prev.unsqueeze(-2)).abs().amin(dim=-1)
             ch = (dist / torch.maximum(top.abs(), torch.finfo(dtype).eps * scale)).amax(dim=1)
-        values[active] = top
-        residual[active] = res
-        change[active] = ch
-        if return_vectors:
-            vectors[active] = X[:, :k]
-        conv = ch <= tol if tol > 0 else torch.zeros_like(ch, dtype=torch.bool)
-        done[active[conv]] = True
-        if bool(conv.all()):
-            break
-        keep = ~conv
-        if it < max_iter:
-            if not bool(keep.all()):
-                active = active[keep]
-                op = op.subset(keep.nonzero().squeeze(1))
-            V = _orth(Y[keep])
-            prev = top[keep]
-    if not bool(done.all()):
-        _warn_not_converged(where, done, change[~done], tol, max_iter)
-    return EigenResult(values=values, vectors=vectors, converged=bool(done.all()), n_iter=n_iter,
-                       residual=residual, sample_converged=done, rel_change=change, stats=dict(op.stats))
+        return top, res, ch, {"vectors": X[:, :k]}, Y
+
+    it = _iterate(where, op, V, step, out, tol=tol, max_iter=max_iter)
+    return EigenResult(values=out["values"], vectors=out["vectors"], converged=it.converged, n_iter=it.n_iter,
+                       residual=it.residual, sample_converged=it.done, rel_change=it.change, stats=it.stats)
