@@ -218,3 +218,29 @@ def test_speedup_bound_is_fastest_agreeing_alternative_over_fwd2b():
                        "forward_ad": _cell(0.1, 0.5)}},
             {"cells": {"clone": _cell(1.0), "fwd_2b": _cell(1.0), "func_jvp": _cell(2.0, 1e-7)}}]
     assert paper.speedup_bound(rows, "median", 1e-3) == pytest.approx(math.sqrt(4.0 * 2.0))
+
+
+@pytest.mark.slow
+def test_capture_benchmark_writes_ratios_and_checks_every_engine(tmp_path):
+    from jvpreg.bench import capture
+
+    out = tmp_path / "cap"
+    assert capture.main(["--suites", "small", "--methods", "forward_2B,eager,captured", "--rounds", "2",
+                         "--warmup", "1", "--threads", "1", "--out", str(out), "--no-progress"]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [r["model"] for r in result["rows"]] and all(r["captured/fwd2B"] > 0 for r in result["rows"])
+    assert all(r["rel_diff"]["captured"] == 0.0 for r in result["rows"])  # the replay runs the recorded kernels
+    assert "captured/fwd2B" in result["geomean"] or result["geomean"]
+    assert "| model" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_train_benchmark_writes_time_and_memory_ratios(tmp_path):
+    from jvpreg.bench import train
+
+    out = tmp_path / "train"
+    assert train.main(["--models", "mlp:8", "--methods", "plain,clone", "--repeats", "2", "--warmup", "1",
+                       "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["results"]}
+    assert rows["plain"]["vs_plain"] == 1.0 and rows["clone"]["vs_plain"] > 0
+    assert out.with_suffix(".md").exists()

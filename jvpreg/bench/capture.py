@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
 
 import jvpreg
-from jvpreg.bench.report import command_line, geo_mean, load_average, md_table, steady_malloc, write_json
+from jvpreg.bench.report import command_line, geo_mean, load_average, md_table, steady_malloc, write_results
 from jvpreg.bench.timing import machine_description, sync
 
 METHODS = ("forward_B", "forward_2B", "eager", "captured", "compiled_forward_2B", "compiled",
@@ -300,11 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             "load": ", ".join(f"{v:.2f}" for v in load) if load else "n/a"}
     md = to_markdown(result, meta)
     print(md)
-    out = Path(args.out.format(device=torch.device(args.device).type))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(md)
-    write_json(out.with_suffix(".json"), {"meta": meta, **result})
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    paths = write_results(args.out.format(device=torch.device(args.device).type), md, {"meta": meta, **result})
+    print("wrote " + " and ".join(map(str, paths)))
     return 0
 
 

@@ -10,17 +10,15 @@ recorded as such (e.g. torch.func on train-mode BatchNorm) and the run goes on.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
-from pathlib import Path
 from typing import Callable, Dict
 
 import torch
 
 import jvpreg
-from jvpreg.bench.report import measure_clocks, steady_malloc
-from jvpreg.bench.timing import geomean, machine_description
+from jvpreg.bench.report import geo_mean, measure_clocks, steady_malloc, write_results
+from jvpreg.bench.timing import machine_description
 
 METHODS = ("forward_B", "forward_2B", "jvpreg", "torch.func.jvp", "forward_ad", "autograd.functional.jvp")
 AUTODIFF = ("torch.func.jvp", "forward_ad", "autograd.functional.jvp")
@@ -109,8 +107,8 @@ def run(models, batch_size: int, image_size: int, repeats: int, warmup: int, dev
     bar.close()
     return {
         "rows": rows,
-        "geomean_speedup_vs_fastest_autodiff": geomean(r["speedup_vs_fastest_autodiff"] for r in rows),
-        "geomean_jvpreg_over_forward_2B": geomean(r["jvpreg_over_forward_2B"] for r in rows),
+        "geomean_speedup_vs_fastest_autodiff": geo_mean(r["speedup_vs_fastest_autodiff"] for r in rows),
+        "geomean_jvpreg_over_forward_2B": geo_mean(r["jvpreg_over_forward_2B"] for r in rows),
     }
 
 
@@ -185,11 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     md = to_markdown(result, meta)
     print(md)
-    out = Path(args.out.format(device=torch.device(args.device).type))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, **result}, indent=2))
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    paths = write_results(args.out.format(device=torch.device(args.device).type), md, {"meta": meta, **result})
+    print("wrote " + " and ".join(map(str, paths)))
     return 0
 
 

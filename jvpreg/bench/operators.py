@@ -274,8 +274,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jvpreg.ben
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report.write_json(out / f"{name}.json", result)
-    (out / f"{name}.md").write_text(render_markdown(result))
+    report.write_results(out / name, render_markdown(result), result)
     if not args.no_plot:
         plot(result, out / f"{name}.png")
     if not args.quiet:

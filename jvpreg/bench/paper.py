@@ -927,8 +927,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m jvpreg.ben
         "notes_auto": notes_auto,
     }
     result["notes"] = Path(args.notes).read_text() if args.notes else None
-    report.write_json(out_dir / f"{name}.json", result)
-    (out_dir / f"{name}.md").write_text(render_markdown(result))
+    report.write_results(out_dir / name, render_markdown(result), result)
     if not args.no_plot:
         plot_speedups(result, out_dir / f"{name}_speedup.png")
     if not args.quiet:

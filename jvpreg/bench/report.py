@@ -137,6 +137,16 @@ def write_json(path: str | Path, obj: Any) -> Path:
     return path
 
 
+def write_results(stem: str | Path, markdown: str, obj: Any) -> tuple:
+    """Write a benchmark's ``<stem>.md`` (the table people read) and ``<stem>.json`` (everything measured,
+    :func:`write_json`); returns both paths."""
+    stem = Path(stem)
+    md = stem.parent / f"{stem.name}.md"
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(markdown)
+    return md, write_json(stem.parent / f"{stem.name}.json", obj)
+
+
 def read_json(path: str | Path) -> Any:
     """Read a file written by :func:`write_json`, turning ``"inf"``/``"-inf"``/``"nan"`` back into floats."""
     special = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}

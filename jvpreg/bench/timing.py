@@ -63,8 +63,3 @@ def machine_description(device: str | torch.device = "cpu") -> Dict[str, object]
     }
 
 
-def geomean(values) -> float:
-    vals = [v for v in values if v is not None and v > 0]
-    if not vals:
-        return float("nan")
-    return float(torch.tensor(vals, dtype=torch.float64).log().mean().exp())

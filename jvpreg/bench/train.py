@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
@@ -50,6 +48,7 @@ from torch import nn
 
 from ..callbacks.shared import SharedForward
 from ..losses import JacobianFrobenius
+from . import report
 from .timing import machine_description, measure
 
 LAM = 0.01
@@ -416,11 +415,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print()
     print(md)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".md").write_text(md)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=2, default=float) + "\n")
-        print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+        paths = report.write_results(args.out, md, result)
+        print("wrote " + " and ".join(map(str, paths)))
     return 0
 
 

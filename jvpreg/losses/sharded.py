@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn

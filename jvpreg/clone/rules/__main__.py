@@ -1,7 +1,6 @@
 """``python -m jvpreg.clone.rules``: the op -> rule -> module table of the registry (Markdown)."""
 from __future__ import annotations
 
-import inspect
 import sys
 
 import jvpreg.clone  # noqa: F401  (registers everything)
