@@ -24,7 +24,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.autograd.function import BackwardCFunction
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .registry import HANDLERS, REENTRANT, op_name
+from .registry import HANDLERS, REENTRANT, op_name, tensor_args_first
 from . import tensor as tensor_module
 from .tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap, wrap_tree
 
@@ -128,6 +128,8 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
             f"jvpreg clone mode: {op_name(func)}(..., out=...) is not supported; use the out-of-place form "
             "(a batch tensor cannot be written into a preallocated `out`)."
         )
+    if kwargs:
+        args, kwargs = tensor_args_first(func, args, kwargs)
     a0 = args[0] if args else None
     if type(a0) is CloneTensor and _inplace_name(func) is None:
         with DisableTorchFunctionSubclass():

@@ -67,6 +67,53 @@ def op_name(func: Any) -> str:
     return f"{getattr(func, '__module__', None) or 'torch'}.{qual}"
 
 
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_PARAMS: Dict[Any, Any] = {}
+_OVERRIDES: list = []
+
+
+def positional_names(func: Any) -> tuple | None:
+    """The names of ``func``'s positional parameters (torch's documented signature from
+    ``torch.overrides.get_testing_overrides``, else ``inspect.signature``); ``None`` if unknown."""
+    try:
+        return _PARAMS[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable
+        return None
+    if not _OVERRIDES:
+        _OVERRIDES.append(torch.overrides.get_testing_overrides())
+    names = None
+    for candidate in (_OVERRIDES[0].get(func), func):
+        try:
+            params = inspect.signature(candidate).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names = tuple(p.name for p in params if p.kind in _POSITIONAL)
+        break
+    _PARAMS[func] = names
+    return names
+
+
+def tensor_args_first(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """``(args, kwargs)`` with the leading tensor parameters passed by keyword moved to their positions.
+
+    ``F.conv2d(input=x, weight=w, padding=1)`` reaches every handler as ``F.conv2d(x, w, padding=1)``, so
+    rules can read the tensors they linearise by position. Only tensor values move, and only while the
+    parameters before them are given (``beta``/``alpha``, keyword-only in torch, stay keywords)."""
+    names = positional_names(func)
+    if not names or len(args) >= len(names):
+        return args, kwargs
+    moved = []
+    for name in names[len(args):]:
+        if not isinstance(kwargs.get(name), torch.Tensor):
+            break
+        moved.append(name)
+    if not moved:
+        return args, kwargs
+    return tuple(args) + tuple(kwargs[n] for n in moved), {k: v for k, v in kwargs.items() if k not in moved}
+
+
 def _existing(funcs: Iterable[Any]) -> list:
     return [f for f in funcs if f is not None]
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..clone import api as _api
+from ..clone import functions as _functions
 from ..clone import capture as _capture
 from . import sharded as _sharded
 
@@ -307,6 +308,9 @@ class Plan:
         """Context in which ``model``'s perturbed parameters are their clones (FSDP2-sharded ones are cloned
         from their unsharded values inside the forward, :func:`jvpreg.losses.sharded.swapped_unsharded`)."""
         with contextlib.ExitStack() as stack:
+            # a clone forward from here on: model hooks around the swapped call (FSDP2's post-forward)
+            # read the clone output before it is unpacked
+            stack.enter_context(_functions.active())
             if self.params:
                 named = dict(model.named_parameters())
                 named.update(model.named_buffers())

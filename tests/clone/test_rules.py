@@ -799,3 +799,41 @@ def test_norm_affine_parameter_directions_with_several_tangents(make, shape, eng
                        tuple(params.values()), tuple(dirs[n][j] for n in params))[1]
         for j in range(2)])
     torch.testing.assert_close(t, ref, rtol=1e-10, atol=1e-10)
+
+
+_KW = {}  # tensors used by the keyword-call settings (float64, fixed seed)
+
+
+def _kw(name, *shape):
+    if name not in _KW:
+        g = torch.Generator().manual_seed(len(_KW))
+        _KW[name] = torch.randn(*shape, generator=g, dtype=D)
+    return _KW[name]
+
+
+KEYWORD_CALLS = {  # tensors passed by keyword, as users write them: bound by name, never by position
+    "conv2d": lambda x: F.conv2d(input=x, weight=_kw("w", 4, 3, 3, 3), bias=_kw("b", 4), padding=1),
+    "linear": lambda x: F.linear(input=x, weight=_kw("W", 6, 5), bias=_kw("bb", 6)),
+    "linear-weight-kw": lambda x: F.linear(x, weight=_kw("W", 6, 5)),
+    "grid_sample": lambda x: F.grid_sample(input=x, grid=_kw("grid", 2, 4, 4, 2).tanh(), align_corners=False),
+    "addmm": lambda x: torch.addmm(input=x[:, 0, 0], mat1=_kw("m1", 2, 5), mat2=_kw("m2", 5, 5), beta=0.5,
+                                   alpha=2.0),
+    "addcmul": lambda x: torch.addcmul(input=x, tensor1=x, tensor2=x.sin(), value=0.3),
+    "baddbmm": lambda x: torch.baddbmm(x[:, 0], batch1=x[:, 1], batch2=x[:, 2], beta=2.0, alpha=0.5),
+    "matmul": lambda x: torch.matmul(input=x, other=_kw("m2", 5, 5)),
+    "where": lambda x: torch.where(condition=x > 0, input=x, other=x.exp()),
+    "layer_norm": lambda x: F.layer_norm(input=x, normalized_shape=(5,), weight=_kw("g", 5), bias=_kw("be", 5)),
+    "softmax": lambda x: F.softmax(input=x, dim=-1),
+    "mul-method": lambda x: x.mul(other=x.cos()),
+}
+
+
+@pytest.mark.parametrize("name", list(KEYWORD_CALLS))
+def test_keyword_calls_match_torch_func(name):
+    f = KEYWORD_CALLS[name]
+    g = torch.Generator().manual_seed(1)
+    x, u = torch.randn(2, 3, 5, 5, generator=g, dtype=D), torch.randn(2, 3, 5, 5, generator=g, dtype=D)
+    y, t = jvpreg.jvp(f, (x,), (u,))
+    y_ref, t_ref = torch.func.jvp(f, (x,), (u,))
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-10)

@@ -20,7 +20,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from ..dispatch import UnsupportedOpError
 from ..registry import register_handler
-from ..tensor import is_clone, wrap
+from ..tensor import is_clone, stack_blocks, wrap
 
 
 def _cell(mode, x_proj, h, w_hh, b_hh, w_hr=None):
@@ -129,7 +129,7 @@ def _elman_on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, t
                     h = torch.ops.aten.threshold_backward(pre, pre[0].expand_as(pre), 0)
                 else:
                     o = torch.tanh(pre[0])
-                    h = torch.cat([o[None], o + (1 - o * o) * (pre[1:] - pre[0])])
+                    h = stack_blocks(o, o + (1 - o * o) * (pre[1:] - pre[0]))
                 seq[t] = h
             outs.append(torch.stack(seq, 1))
             h_n.append(h)
