@@ -47,7 +47,15 @@ def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) ->
     ref = pairs[0][0]
     ratio = _ratio(ref.dtype, ref.device) if ratio is None else ratio
     with torch.no_grad():  # rms(x) / rms(u_j) = ||x|| / ||u_j||: float64 norms, non-finite entries (masks) left out
-        x2, u2 = 0.0, 0.0
+        if ref.device.type == "cpu":  # a handful of scalars: Python arithmetic, no kernel per step
+            x2, u2 = 0.0, [0.0] * k
+            for x, u in pairs:
+                x2 += _finite_norms(x.detach().reshape(1, -1))[0] ** 2
+                u2 = [a + b ** 2 for a, b in zip(u2, _finite_norms(u.detach().reshape(k, -1)))]
+            nx = math.sqrt(x2) or 1.0
+            return torch.tensor([2.0 ** round(math.log2(ratio * nx / math.sqrt(n))) if n > 0 else 1.0 for n in u2],
+                                dtype=torch.float64)
+        x2, u2 = 0.0, 0.0  # on an accelerator: the same formula in kernels, no host synchronisation
         for x, u in pairs:
             xf = torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0)
             uf = torch.nan_to_num(u.detach(), nan=0.0, posinf=0.0, neginf=0.0).reshape(k, -1)
@@ -56,8 +64,16 @@ def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) ->
         nx, nu = torch.as_tensor(x2, dtype=torch.float64, device=ref.device).sqrt(), u2.sqrt()
         nx = torch.where(nx > 0, nx, 1.0)
         s = torch.exp2(torch.round(torch.log2(ratio * nx / torch.where(nu > 0, nu, 1.0))))
-        s = torch.where(nu > 0, s, 1.0)
-    return s
+        return torch.where(nu > 0, s, 1.0)
+
+
+def _finite_norms(rows: torch.Tensor) -> list:
+    """float64 norms of the rows of a CPU tensor, counting finite entries only."""
+    norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).tolist()
+    if all(map(math.isfinite, norms)):
+        return norms
+    rows = torch.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).tolist()
 
 
 def scales(pairs: Sequence[tuple], k: int, scale: Any = "auto") -> torch.Tensor:
@@ -104,7 +120,10 @@ def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
             y0 = p[0]
             if y0.is_floating_point() or y0.is_complex():
                 sv = scales.to(p.dtype).reshape(-1, *([1] * y0.dim()))
-                t = block_delta(p[1:], y0) / sv
+                d = p[1:] - y0  # block_delta's non-finite fix changes nothing where no difference is NaN
+                if d.device.type != "cpu" or bool(torch.isnan(d).any()):  # (checked on the host for free)
+                    d = block_delta(p[1:], y0)
+                t = d / sv
             else:
                 t = torch.zeros((k, *y0.shape), dtype=y0.dtype, device=y0.device)
             return y0, (t if batched else t[0])

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import re
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -138,6 +140,7 @@ class _Program:
     out_kinds: Tuple[Any, ...] = ()     # per output leaf: "clone"/"state"/"tensor" or the constant
     compiled: Optional[Callable] = None
     reason: str = ""
+    replay: Optional[Callable] = None   # gm's forward with direct operator calls (engine="captured")
 
 
 @dataclass
@@ -343,7 +346,31 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     optimize(gm)
     keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
     return _Program(gm=gm, keep=keep, out_spec=out_meta["spec"], out_kinds=out_meta["kinds"],
-                    attrs=_baked_attributes(gm, rec))
+                    attrs=_baked_attributes(gm, rec), replay=_direct_calls(gm))
+
+
+_OP_CALL = re.compile(r"torch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
+
+
+def _direct_calls(gm: torch.fx.GraphModule) -> Callable:
+    """``gm.forward`` with each aten overload called through its C++ operator handle (``op._op``: what
+    ``OpOverload.__call__`` calls when no Python dispatcher is attached) instead of the Python wrapper:
+    one Python frame less per op. ``gm`` keeps the ``OpOverload`` targets (``torch.compile`` reads them)."""
+    code = gm.graph.python_code(root_module="self")
+    env = dict(code.globals)
+
+    def direct(match):
+        ns, name, overload = match.groups()
+        op = getattr(getattr(getattr(torch.ops, ns), name), overload)
+        if not isinstance(op, torch._ops.OpOverload) or op._pyobj_dispatcher is not None:
+            return match.group(0)
+        key = f"_op_{ns}_{name}_{overload}"
+        env[key] = op._op
+        return key + "("
+
+    src = _OP_CALL.sub(direct, code.src)
+    exec(compile(src, f"<jvpreg replay {id(gm):x}>", "exec"), env)  # noqa: S102 - our own generated code
+    return types.MethodType(env["forward"], gm)
 
 
 def _baked_attributes(gm: torch.fx.GraphModule, rec: _Record) -> Tuple[Any, ...]:
@@ -542,7 +569,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
         _warn_eager(module, prog.reason)
         with uncompiled(module):
             return fn(*args, **kwargs)
-    run = prog.gm
+    run = prog.replay or prog.gm
     if engine == "compiled":
         if prog.compiled is None:
             prog.compiled = torch.compile(prog.gm, dynamic=False)
