@@ -80,7 +80,7 @@ def prelu(input, weight):
         dw = block_delta(weight[1:], weight[0])
         if a.dim() >= 2 and weight[0].numel() > 1:
             dw = dw.reshape(dw.shape[0], 1, -1, *([1] * (a.dim() - 2)))
-        out = torch.cat([out[:1], out[1:] + torch.clamp(a, max=0) * dw])
+        out = stack_blocks(out[0], out[1:] + torch.clamp(a, max=0) * dw)
     return out
 
 

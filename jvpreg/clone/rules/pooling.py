@@ -97,7 +97,7 @@ def _even_ties(x, out_a, dims, keepdim):
         mask = (a == out_a).to(a.dtype)
         d = block_delta(x[1:], a)
         t = (d * mask).reshape(d.shape[0], -1).sum(1) / mask.sum()
-        return torch.cat([out_a.reshape(1), out_a + t])
+        return stack_blocks(out_a, out_a + t)
     nds = tuple(neg_dim(d, a.dim()) for d in dims)
     ref = out_a if keepdim else _unsqueeze_all(out_a, nds, a.dim())
     mask = (a == ref).to(a.dtype)
