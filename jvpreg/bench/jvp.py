@@ -10,14 +10,13 @@ recorded as such (e.g. torch.func on train-mode BatchNorm) and the run goes on.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from typing import Callable, Dict
 
 import torch
 
 import jvpreg
-from jvpreg.bench.report import geo_mean, measure_clocks, steady_malloc, write_results
+from jvpreg.bench.report import command_line, geo_mean, measure_clocks, steady_malloc, write_results
 from jvpreg.bench.timing import machine_description
 
 METHODS = ("forward_B", "forward_2B", "jvpreg", "torch.func.jvp", "forward_ad", "autograd.functional.jvp")
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(models, args.batch_size, args.image_size, args.repeats, args.warmup, args.device, args.mode,
                  progress=not args.no_progress, clock=args.clock)
     meta = {
-        "command": "python -m jvpreg.bench jvp " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "command": command_line("python -m jvpreg.bench jvp", sys.argv[1:] if argv is None else argv),
         "machine": machine_description(args.device),
         "device": args.device, "mode": args.mode, "batch_size": args.batch_size, "image_size": args.image_size,
         "repeats": args.repeats, "warmup": args.warmup, "clock": args.clock,

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -397,8 +396,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unknown method(s) {bad}; expected a subset of {list(METHODS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = "python -m jvpreg.bench train " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                                   else sys.argv[1:]))
+    command = report.command_line("python -m jvpreg.bench train", sys.argv[1:] if argv is None else argv)
     load0 = [round(v, 2) for v in os.getloadavg()]
     print(f"bench train: {args.models} batch {args.batch}, {args.repeats} repeats, {torch.get_num_threads()} threads")
     rows: List[dict] = []
