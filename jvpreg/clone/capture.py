@@ -451,6 +451,7 @@ def optimize(gm: torch.fx.GraphModule) -> None:
             node.replace_all_uses_with(prev)
             graph.erase_node(node)
     _drop_broadcast_expands(graph)
+    _fold_reshapes(graph)
     for node in reversed(list(graph.nodes)):  # dead pure ops only: grad-mode switches and writes stay
         if node.op == "call_function" and not node.users and _pure(node.target):
             graph.erase_node(node)
@@ -480,6 +481,36 @@ def _drop_broadcast_expands(graph: torch.fx.Graph) -> None:
             others = [a for a in user.args if isinstance(a, torch.fx.Node) and a is not node]
             if any(_shape(a) == full for a in others):
                 user.replace_input_with(node, node.args[0])
+
+
+_RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
+
+
+def _contiguous(node: Any) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
+
+
+def _fold_reshapes(graph: torch.fx.Graph) -> None:
+    """``reshape(reshape(x, s1), s2)`` -> ``reshape(x, s2)``, and -> ``x`` when ``s2`` is ``x``'s shape.
+
+    Rules flatten the block dim into the batch for a kernel and split it back (``(K, B, ...)`` ->
+    ``(K*B, ...)`` -> ``(K, B, ...)``); consecutive layers then reshape back and forth. Only for
+    contiguous sources, where every reshape is a view: the same values, gradients and aliasing.
+    """
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _RESHAPES:
+            continue
+        src = node.args[0]
+        while isinstance(src, torch.fx.Node) and src.target in _RESHAPES and _contiguous(src.args[0]):
+            src = src.args[0]
+        if not _contiguous(src):
+            continue
+        if _shape(src) == _shape(node) and src.op != "placeholder":
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+        elif src is not node.args[0]:
+            node.args = (src, *node.args[1:])
 
 
 def _inputs(leaves: List[Any], slot_values: List[Any]) -> List[torch.Tensor]:

@@ -113,6 +113,14 @@ def block_delta(z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return d.masked_fill(torch.isnan(d) & (z == a), 0)
 
 
+def per_block(fn: Callable[[torch.Tensor], torch.Tensor], d: torch.Tensor) -> torch.Tensor:
+    """``[fn(d_1); ...; fn(d_{K-1})]`` for a kernel that needs its argument shaped like the primal (a backward
+    kernel taking the tangent as its ``grad``); one call, no stack, for the usual single tangent."""
+    if d.shape[0] == 1:
+        return fn(d[0]).unsqueeze(0)
+    return torch.stack([fn(b) for b in d.unbind(0)])
+
+
 def delta_blocks(t: Any) -> torch.Tensor | None:
     """``block_j - block_0`` for j >= 1 of a varying clone (:func:`block_delta`); ``None`` for constants
     and state."""

@@ -212,3 +212,48 @@ def test_gradient_of_jvp_params_penalty():
     for n, g in zip(names, grads):
         err = ((g - want[n]).norm() / want[n].norm().clamp_min(1e-300)).item()
         assert err <= RTOL or (g - want[n]).abs().max() <= 1e-13, f"grad of {n}: relative error {err:.2e}"
+
+
+# Rules whose tangent is torch's own backward kernel (``gelu_backward(d, a)``, ...): the gradient of a penalty
+# then runs that kernel's double backward, checked here against finite differences (no autodiff formula in
+# the reference).
+KERNEL_TANGENT_LAYERS = {
+    "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "gelu": nn.GELU, "gelu-tanh": lambda: nn.GELU(approximate="tanh"),
+    "softplus": lambda: nn.Softplus(beta=2.0, threshold=3.0), "elu": lambda: nn.ELU(alpha=0.7),
+    "hardswish": nn.Hardswish, "softmax": lambda: nn.Softmax(dim=-1), "layer_norm": lambda: nn.LayerNorm(5),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_TANGENT_LAYERS))
+def test_backward_kernel_tangents_have_exact_gradients(name):
+    """d/d(params, x) of ||J u||^2 for Linear -> layer -> Linear equals finite differences (float64)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), KERNEL_TANGENT_LAYERS[name](), nn.Linear(5, 3)).to(D)
+    x = torch.randn(3, 4, dtype=D) * 2
+    u = torch.randn_like(x)
+    names = [n for n, _ in model.named_parameters()]
+
+    def penalty_of(*tensors):
+        params, x_ = dict(zip(names, tensors[:-1])), tensors[-1]
+        with fallback_mode("error"):
+            _, t = jvpreg.jvp(lambda z: functional_call(model, params, (z,)), (x_,), (u,))
+        return (t ** 2).sum()
+
+    inputs = [p.detach().clone().requires_grad_(True) for p in model.parameters()] + [x.requires_grad_(True)]
+    assert torch.autograd.gradcheck(penalty_of, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_layer_norm_weight_direction_gradients_match_finite_differences():
+    """jvp_params along LayerNorm's weight and bias: gradients of ||J U||^2 w.r.t. every parameter and x."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3)).to(D)
+    x = torch.randn(3, 4, dtype=D)
+    dirs = {"1.weight": torch.randn(5, dtype=D), "1.bias": torch.randn(5, dtype=D)}
+
+    def penalty_of(*tensors):
+        with jvpreg.clone.swapped_tensors(model, dict(zip(model.parameters(), tensors[:-1]))):
+            _, t = jvpreg.jvp_params(model, (tensors[-1],), dirs)
+        return (t ** 2).sum()
+
+    inputs = [p.detach().clone().requires_grad_(True) for p in model.parameters()] + [x.requires_grad_(True)]
+    assert torch.autograd.gradcheck(penalty_of, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)

@@ -563,6 +563,11 @@ ATTENTION_SETTINGS = [
     {"id": "sdpa-cross-lengths",
      "func": lambda x: F.scaled_dot_product_attention(x[:, :, :2], _proj(x, 1), _proj(x, 2)),
      "input_shape": (2, 2, 4, 3)},
+    {"id": "sdpa-float-mask-direction-only",  # the tangent enters through a broadcast (L, S) mask alone
+     "func": lambda x: F.scaled_dot_product_attention(
+         torch.linspace(-1, 1, 48, dtype=D).reshape(2, 2, 4, 3), torch.linspace(1, -1, 48, dtype=D).reshape(2, 2, 4, 3),
+         torch.linspace(0, 2, 48, dtype=D).reshape(2, 2, 4, 3), attn_mask=x),
+     "input_shape": (4, 4)},
     {"id": "sdpa-constant-value",
      "func": lambda x: F.scaled_dot_product_attention(x, x, torch.linspace(-1, 1, 48, dtype=D).reshape(2, 2, 4, 3)),
      "input_shape": (2, 2, 4, 3)},

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..dispatch import without_torch_function_guard
 from ..registry import register_handler, register_rule
-from ..tensor import delta_blocks, is_clone, primal_block, stack_blocks
+from ..tensor import delta_blocks, is_clone, per_block, primal_block, stack_blocks, tile
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -54,22 +54,25 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         keep = None
         pd = p
         out_a = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=is_causal, scale=scale)
-    ds = 0
+    ds = None
     if dq is not None:
-        ds = ds + (dq @ k.transpose(-2, -1)) * sc
+        ds = dq @ k.transpose(-2, -1)
     if dk is not None:
-        ds = ds + (q @ dk.transpose(-2, -1)) * sc
+        qdk = q @ dk.transpose(-2, -1)
+        ds = qdk if ds is None else ds + qdk
+    if ds is not None:
+        ds = ds * sc
     if dm is not None and m.dtype != torch.bool:
-        ds = ds + dm
-    tan = torch.zeros((kk - 1, *out_a.shape), dtype=out_a.dtype, device=out_a.device)
-    if torch.is_tensor(ds):
-        ds = torch.where(torch.isfinite(s), ds, torch.zeros((), dtype=ds.dtype, device=ds.device))
-        dp = p * (ds - (p * ds).sum(-1, keepdim=True))
-        if keep is not None:
-            dp = dp * keep
-        tan = tan + dp @ v
+        ds = dm if ds is None else ds + dm
+    tan = None
+    if ds is not None:  # dP = P * (dS - sum(P * dS)): softmax's backward kernel (its Jacobian is symmetric)
+        dp = per_block(lambda b: torch.ops.aten._softmax_backward_data(b.expand_as(p), p, -1, p.dtype), ds)
+        tan = (dp if keep is None else dp * keep) @ v
     if dv is not None:
-        tan = tan + pd @ dv
+        pdv = pd @ dv
+        tan = pdv if tan is None else tan + pdv
+    if tan is None:
+        return tile(out_a, kk)
     return stack_blocks(out_a, out_a + tan)
 
 

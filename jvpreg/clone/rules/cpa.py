@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
 from ..structural import align
-from ..tensor import block_delta, is_clone, stack_blocks
+from ..tensor import block_delta, is_clone, per_block, stack_blocks
 
 T = torch.Tensor
 
@@ -172,11 +172,12 @@ def hardsigmoid(input, inplace=False):
 
 @register_rule(F.hardswish, torch._C._nn.hardswish, inplace=(torch._C._nn.hardswish_,))
 def hardswish(input, inplace=False):
-    """hardswish(z) ~ out(a) + h'(a) (z - a), h'(a) = 0 (a <= -3) | (2a + 3)/6 | 1 (a >= 3)."""
+    """hardswish(z) ~ out(a) + h'(a) (z - a), h'(a) = 0 (a <= -3) | (2a + 3)/6 | 1 (a >= 3): hardswish's own
+    backward kernel, one block at a time."""
     a = input[0]
     out_a = F.hardswish(a)
-    slope = torch.where(a <= -3, torch.zeros_like(a), torch.where(a < 3, (2 * a + 3) / 6, torch.ones_like(a)))
-    return stack_blocks(out_a, out_a + slope * block_delta(input[1:], a))
+    tan = per_block(lambda b: torch.ops.aten.hardswish_backward(b, a), block_delta(input[1:], a))
+    return stack_blocks(out_a, out_a + tan)
 
 
 def _extremum(x, y, op):

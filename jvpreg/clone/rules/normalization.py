@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import register_rule
-from ..tensor import block_delta, delta_blocks, is_clone, primal_block, tile, stack_blocks
+from ..tensor import block_delta, delta_blocks, is_clone, per_block, primal_block, tile, stack_blocks
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -166,16 +166,24 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 
 @register_rule(F.layer_norm, torch.layer_norm)
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
-    """LayerNorm over the trailing ``normalized_shape`` dims, statistics of the primal block."""
+    """LayerNorm over the trailing ``normalized_shape`` dims, statistics of the primal block; the input tangent
+    ``rstd * (d - mean(d) - xhat * mean(xhat * d))`` is ``native_layer_norm_backward`` applied to ``d_j``."""
     input = _batch_input(input, weight, bias)
     a = input[0]
     w0, b0 = _primal(weight), _primal(bias)
-    out_a = F.layer_norm(a, normalized_shape, w0, b0, eps)
-    red = tuple(range(-len(normalized_shape), 0))
-    var, mean = torch.var_mean(a, dim=red, correction=0, keepdim=True)
-    rstd = torch.rsqrt(var + eps)
-    xhat = (a - mean) * rstd
-    return linearized_norm(input, out_a, xhat, rstd, red, weight, bias, lambda p: p)
+    out_a, mean, rstd = torch.native_layer_norm(a, normalized_shape, w0, b0, eps)
+    mean, rstd = mean.detach(), rstd.detach()  # layer_norm_backward's double backward differentiates them
+    d = _delta(input)
+    tan = None
+    if d is not None:  # the normalisation's Jacobian is symmetric: its backward kernel (no weight) applied to d_j
+        tan = per_block(lambda b: torch.ops.aten.native_layer_norm_backward(
+            b, a, normalized_shape, mean, rstd, None, None, [True, False, False])[0], d)
+        tan = tan if w0 is None else tan * w0
+    if _delta(weight) is not None or _delta(bias) is not None:  # xhat with differentiable statistics
+        var, mu = torch.var_mean(a, dim=tuple(range(-len(normalized_shape), 0)), correction=0, keepdim=True)
+        params = affine_tangent((a - mu) * torch.rsqrt(var + eps), weight, bias, lambda p: p)
+        tan = params if tan is None else tan + params
+    return tile(out_a, input.shape[0]) if tan is None else stack_blocks(out_a, out_a + tan)
 
 
 @register_rule(F.group_norm, torch.group_norm)

@@ -2,14 +2,15 @@
 
 ``out_j = sigma(a) + sigma'(a) * (z_j - a)`` — the difference form then carries
 ``J u`` exactly (no truncation error: every rule is linear in ``z_j - a``).
-``sigma'(a)`` is built from differentiable ops so that gradients of a penalty on the
-JVP include the second-order terms. Softmax along ``dim``:
-``out_j = p + p * (d_j - sum(p * d_j))``, ``p = softmax(a)``; log_softmax:
+``sigma'(a) * d`` is the op's own backward kernel where torch has one with a double backward
+(``gelu_backward(d, a)``: one fused kernel), else differentiable primitive ops, so gradients of a
+penalty on the JVP include the second-order terms. Softmax along ``dim``:
+``out_j = p + p * (d_j - sum(p * d_j))``, ``p = softmax(a)`` (softmax's own backward kernel: its Jacobian
+is symmetric); log_softmax:
 ``out_j = out_a + d_j - sum(p * d_j)``.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -17,19 +18,30 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
-from ..tensor import block_delta, is_clone, neg_dim, stack_blocks
+from ..tensor import block_delta, is_clone, neg_dim, per_block, stack_blocks
 
 T = torch.Tensor
+aten = torch.ops.aten
 
 
-def def_smooth(funcs, inplace=(), *, primal: Callable, slope: Callable, doc: str):
-    """Register ``out_j = primal(a) + slope(a, out_a) * (z_j - a)`` for an elementwise op."""
+def def_smooth(funcs, inplace=(), *, primal: Callable, doc: str, slope: Callable | None = None,
+               kernel: Callable | None = None):
+    """Register ``out_j = primal(a) + sigma'(a) * d_j`` for an elementwise op, ``d_j = z_j - a``.
+
+    ``kernel(d, a, out_a)``: torch's own backward kernel of the op (``sigmoid_backward(d, out)`` is
+    ``d * sigma'(a)`` in one fused kernel, with its own double backward), called on one block at a
+    time (some CPU kernels refuse broadcasting); else ``slope(a, out_a) * d_j`` in primitive ops.
+    """
 
     def rule(input, *args, inplace=False, **kwargs):
         a = input[0]
         out_a = primal(a, *args, **kwargs)
-        s = slope(a, out_a, *args, **kwargs)
-        return stack_blocks(out_a, out_a + s * block_delta(input[1:], a))
+        d = block_delta(input[1:], a)
+        if kernel is not None:
+            tan = per_block(lambda b: kernel(b, a, out_a, *args, **kwargs), d)
+        else:
+            tan = slope(a, out_a, *args, **kwargs) * d
+        return stack_blocks(out_a, out_a + tan)
 
     rule.__doc__ = doc
     rule.__name__ = rule.__qualname__ = doc.split("'")[0] if "'" in doc else doc.split("(")[0]
@@ -37,10 +49,10 @@ def def_smooth(funcs, inplace=(), *, primal: Callable, slope: Callable, doc: str
 
 
 _sig = torch.sigmoid
-def_smooth([torch.sigmoid, T.sigmoid, F.sigmoid], [torch.sigmoid_, T.sigmoid_],
-           primal=torch.sigmoid, slope=lambda a, o: o * (1 - o), doc="sigmoid'(a) = s (1 - s)")
-def_smooth([torch.tanh, T.tanh, F.tanh], [torch.tanh_, T.tanh_],
-           primal=torch.tanh, slope=lambda a, o: 1 - o * o, doc="tanh'(a) = 1 - tanh(a)^2")
+def_smooth([torch.sigmoid, T.sigmoid, F.sigmoid], [torch.sigmoid_, T.sigmoid_], primal=torch.sigmoid,
+           kernel=lambda d, a, o: aten.sigmoid_backward(d, o), doc="sigmoid'(a) = s (1 - s)")
+def_smooth([torch.tanh, T.tanh, F.tanh], [torch.tanh_, T.tanh_], primal=torch.tanh,
+           kernel=lambda d, a, o: aten.tanh_backward(d, o), doc="tanh'(a) = 1 - tanh(a)^2")
 def_smooth([torch.exp, T.exp], [torch.exp_, T.exp_], primal=torch.exp, slope=lambda a, o: o, doc="exp'(a) = exp(a)")
 def_smooth([torch.log, T.log], [torch.log_, T.log_], primal=torch.log, slope=lambda a, o: 1 / a, doc="log'(a) = 1/a")
 def_smooth([torch.sqrt, T.sqrt], [torch.sqrt_, T.sqrt_], primal=torch.sqrt, slope=lambda a, o: 0.5 / o,
@@ -55,32 +67,16 @@ def_smooth([torch.cos, T.cos], [torch.cos_, T.cos_], primal=torch.cos, slope=lam
            doc="cos'(a) = -sin(a)")
 def_smooth([torch.square, T.square], [maybe(torch, "square_"), maybe(T, "square_")], primal=torch.square,
            slope=lambda a, o: 2 * a, doc="square'(a) = 2a")
+# silu_backward and mish_backward have no double backward in torch: their slopes stay in primitive ops
 def_smooth([F.silu], [], primal=F.silu, slope=lambda a, o: _sig(a) * (1 + a * (1 - _sig(a))),
            doc="silu'(a) = s (1 + a (1 - s))")
 def_smooth([F.logsigmoid, maybe(torch._C._nn, "log_sigmoid")], [], primal=F.logsigmoid,
            slope=lambda a, o: _sig(-a), doc="logsigmoid'(a) = sigmoid(-a)")
-
-
-def _gelu_slope(a, o, approximate="none"):
-    if approximate == "tanh":
-        c = math.sqrt(2 / math.pi)
-        inner = c * (a + 0.044715 * a ** 3)
-        t = torch.tanh(inner)
-        return 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * c * (1 + 3 * 0.044715 * a * a)
-    cdf = 0.5 * (1 + torch.erf(a / math.sqrt(2)))
-    pdf = torch.exp(-0.5 * a * a) / math.sqrt(2 * math.pi)
-    return cdf + a * pdf
-
-
-def_smooth([F.gelu, maybe(torch._C._nn, "gelu")], [maybe(torch._C._nn, "gelu_")], primal=F.gelu, slope=_gelu_slope,
+def_smooth([F.gelu, maybe(torch._C._nn, "gelu")], [maybe(torch._C._nn, "gelu_")], primal=F.gelu,
+           kernel=lambda d, a, o, approximate="none": aten.gelu_backward(d, a, approximate=approximate),
            doc="gelu'(a) = Phi(a) + a phi(a)")
-
-
-def _softplus_slope(a, o, beta=1.0, threshold=20.0):
-    return torch.where(a * beta > threshold, torch.ones_like(a), torch.sigmoid(a * beta))
-
-
-def_smooth([F.softplus, maybe(torch._C._nn, "softplus")], [], primal=F.softplus, slope=_softplus_slope,
+def_smooth([F.softplus, maybe(torch._C._nn, "softplus")], [], primal=F.softplus,
+           kernel=lambda d, a, o, beta=1.0, threshold=20.0: aten.softplus_backward(d, a, beta, threshold),
            doc="softplus'(a) = sigmoid(beta a) (1 above the threshold)")
 
 
@@ -88,12 +84,12 @@ def _elu_primal(a, alpha=1.0, inplace=False):
     return F.elu(a, alpha)
 
 
-def _elu_slope(a, o, alpha=1.0, inplace=False):
-    return torch.where(a > 0, torch.ones_like(a), o + alpha)
+def _elu_kernel(d, a, o, alpha=1.0, inplace=False):
+    return aten.elu_backward(d, alpha, 1, 1, False, a)
 
 
 def_smooth([F.elu, maybe(torch._C._nn, "elu")], [F.elu_, maybe(torch._C._nn, "elu_")], primal=_elu_primal,
-           slope=_elu_slope, doc="elu'(a) = 1 (a > 0) | alpha exp(a)")
+           kernel=_elu_kernel, doc="elu'(a) = 1 (a > 0) | alpha exp(a)")
 
 
 @register_rule(F.mish, maybe(torch._C._nn, "mish"), inplace=(maybe(torch._C._nn, "mish_"),))
@@ -139,10 +135,9 @@ def _softmax(log: bool):
             out_a = torch.log_softmax(a, dim)
             p = out_a.exp()
             tan = out_a + d - (p * d).sum(dim, keepdim=True)
-        else:
+        else:  # softmax's Jacobian is symmetric: its backward kernel applied to d_j is J d_j
             out_a = torch.softmax(a, dim)
-            p = out_a
-            tan = p + p * (d - (p * d).sum(dim, keepdim=True))
+            tan = out_a + per_block(lambda b: aten._softmax_backward_data(b, out_a, dim, a.dtype), d)
         return stack_blocks(out_a, tan)
 
     rule.__doc__ = ("log_softmax: out_j = out_a + d_j - sum(p d_j)" if log
