@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_unflatten
 from . import tensor as tensor_module
 from .dispatch import BatchWriteError, _flat_clones, per_block, state_eval, fallback
 from .registry import maybe, register_handler, register_op, register_state
-from .tensor import CloneTensor, any_clone, is_clone, phys_dim, tile, wrap, wrap_tree
+from .tensor import CloneTensor, any_clone, is_clone, phys_dim, tile, varies, wrap, wrap_tree
 
 T = torch.Tensor
 
@@ -749,10 +749,6 @@ def rowwise(batched_ndim: int) -> Callable:
     return handler
 
 
-def _varying(t: Any) -> bool:
-    return is_clone(t) and not t._jvp_state
-
-
 def multilinear(func, args, kwargs, batched_ndim: int):
     """``op(x, W, b, ...)`` linear in x and in W, affine in b (convolutions, linear).
 
@@ -778,7 +774,7 @@ def multilinear(func, args, kwargs, batched_ndim: int):
     else:
         base = tile(func(x, w0, b0, *rest, **kw), k)
         x0 = x
-    dw, db = _varying(w), _varying(b)
+    dw, db = varies(w), varies(b)
     if not (dw or db):
         return wrap(base, state=_state_of(*clones))
     outs = [base[0]]

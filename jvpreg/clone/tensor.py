@@ -100,7 +100,12 @@ def primal_block(t: Any) -> Any:
     return t[0] if type(t) is CloneTensor else t
 
 
-def block_delta(z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+def varies(t: Any) -> bool:
+    """``t`` is a clone that carries tangents (not a constant, not state)."""
+    return type(t) is CloneTensor and not t._jvp_state
+
+
+def block_delta(z: torch.Tensor, a: torch.Tensor, *, nonfinite: bool = True) -> torch.Tensor:
     """``z - a``: tangent blocks ``z`` minus the primal ``a``, with the non-finite convention.
 
     Non-finite primal entries: the difference form cannot carry a tangent on them. An entry that
@@ -108,12 +113,14 @@ def block_delta(z: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     ``-inf``: constants shared by every block) has difference 0, not ``inf - inf = NaN``; every
     other difference is the plain one (a NaN primal keeps NaN tangents: never a wrong finite value).
     Equal *finite* entries are not touched, so gradients through ``z - a`` stay exact.
+    ``nonfinite=False``: the plain ``z - a``, for rules whose output is NaN wherever an entry of the primal is
+    infinite whatever its tangent (a normalisation: the entry is in its row's statistics).
     """
     d = z - a
-    return d.masked_fill(torch.isnan(d) & (z == a), 0)
+    return d.masked_fill(torch.isnan(d) & (z == a), 0) if nonfinite else d
 
 
-def per_block(fn: Callable[[torch.Tensor], torch.Tensor], d: torch.Tensor) -> torch.Tensor:
+def each_block(fn: Callable[[torch.Tensor], torch.Tensor], d: torch.Tensor) -> torch.Tensor:
     """``[fn(d_1); ...; fn(d_{K-1})]`` for a kernel that needs its argument shaped like the primal (a backward
     kernel taking the tangent as its ``grad``); one call, no stack, for the usual single tangent."""
     if d.shape[0] == 1:
@@ -121,12 +128,10 @@ def per_block(fn: Callable[[torch.Tensor], torch.Tensor], d: torch.Tensor) -> to
     return torch.stack([fn(b) for b in d.unbind(0)])
 
 
-def delta_blocks(t: Any) -> torch.Tensor | None:
+def delta_blocks(t: Any, *, nonfinite: bool = True) -> torch.Tensor | None:
     """``block_j - block_0`` for j >= 1 of a varying clone (:func:`block_delta`); ``None`` for constants
     and state."""
-    if type(t) is CloneTensor and not t._jvp_state:
-        return block_delta(t[1:], t[0])
-    return None
+    return block_delta(t[1:], t[0], nonfinite=nonfinite) if varies(t) else None
 
 
 def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:

@@ -56,6 +56,11 @@ PATTERNS = {
     "sdpa-float-mask": lambda x: F.scaled_dot_product_attention(
         x, x, x, attn_mask=torch.zeros(5, 5, dtype=D).masked_fill(causal(5), -INF)),
     "masked-output": lambda x: x.sin().masked_fill(causal(x.shape[-1]), -INF),
+    # normalisations take plain block differences: an infinite entry makes its whole row NaN, as in torch.func
+    "layer_norm-inf-entry": lambda x: F.layer_norm(x.masked_fill(causal(x.shape[-1]) & (x > 0.5), INF), (5,)),
+    "batch_norm-inf-entry": lambda x: F.batch_norm(x.masked_fill(causal(x.shape[-1]) & (x > 0.5), -INF), None, None,
+                                                   training=True),
+    "group_norm-inf-entry": lambda x: F.group_norm(x.masked_fill(causal(x.shape[-1]) & (x > 0.5), INF), 1),
 }
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..dispatch import without_torch_function_guard
 from ..registry import register_handler, register_rule
-from ..tensor import delta_blocks, is_clone, per_block, primal_block, stack_blocks, tile
+from ..tensor import delta_blocks, each_block, is_clone, primal_block, stack_blocks, tile
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -66,7 +66,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         ds = dm if ds is None else ds + dm
     tan = None
     if ds is not None:  # dP = P * (dS - sum(P * dS)): softmax's backward kernel (its Jacobian is symmetric)
-        dp = per_block(lambda b: torch.ops.aten._softmax_backward_data(b.expand_as(p), p, -1, p.dtype), ds)
+        dp = each_block(lambda b: torch.ops.aten._softmax_backward_data(b.expand_as(p), p, -1, p.dtype), ds)
         tan = (dp if keep is None else dp * keep) @ v
     if dv is not None:
         pdv = pd @ dv

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
 from ..structural import align
-from ..tensor import block_delta, is_clone, per_block, stack_blocks
+from ..tensor import block_delta, each_block, is_clone, stack_blocks
 
 T = torch.Tensor
 
@@ -176,7 +176,7 @@ def hardswish(input, inplace=False):
     backward kernel, one block at a time."""
     a = input[0]
     out_a = F.hardswish(a)
-    tan = per_block(lambda b: torch.ops.aten.hardswish_backward(b, a), block_delta(input[1:], a))
+    tan = each_block(lambda b: torch.ops.aten.hardswish_backward(b, a), block_delta(input[1:], a))
     return stack_blocks(out_a, out_a + tan)
 
 

@@ -32,8 +32,8 @@ def _mask_shape(a: torch.Tensor, feature: bool, batched_ndim: int | None = None)
 
 def _apply(x: torch.Tensor, p: float, training: bool, feature: bool, alpha: bool,
            batched_ndim: int | None = None) -> torch.Tensor:
-    if not training or p == 0:
-        return x.clone()
+    if not training or p == 0:  # torch returns its input itself
+        return x
     a = x[0]
     if p == 1:  # torch: input * 0 for every variant
         return x * 0

@@ -4,7 +4,8 @@ For ``y = gamma * xhat + beta``, ``xhat = (z - mu) * rstd`` over the reduced dim
 
     out_j = out_a + gamma * rstd * (d_j - mean_R(d_j) - xhat * mean_R(d_j * xhat)) + xhat * dgamma_j + dbeta_j
 
-with ``d_j = block_j - a`` and ``mu``, ``rstd``, ``xhat`` of the primal block ``a`` only (kept in
+with ``d_j = block_j - a`` (plain differences: an infinite primal entry makes its whole row NaN anyway)
+and ``mu``, ``rstd``, ``xhat`` of the primal block ``a`` only (kept in
 the autograd graph, so gradients of a penalty on the JVP are exact). Train-mode BatchNorm
 ("clone-BN") takes R = batch + spatial dims of the primal block and updates the running
 statistics once, from the primal block alone, by the same kernel a plain forward uses
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import register_rule
-from ..tensor import block_delta, delta_blocks, is_clone, per_block, primal_block, tile, stack_blocks
+from ..tensor import block_delta, delta_blocks, each_block, is_clone, primal_block, stack_blocks, tile, varies
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -66,7 +67,7 @@ def linearized_norm(x, out_a, xhat, rstd, red_dims: Sequence[int], weight, bias,
     """
     k1 = next(t.shape[0] - 1 for t in (x, weight, bias) if is_clone(t))
     tan = None
-    d = _delta(x)
+    d = _delta(x, nonfinite=False)
     if d is not None:
         rd = tuple(red_dims)
         dn = d - d.mean(rd, keepdim=True) - xhat * (d * xhat).mean(rd, keepdim=True)
@@ -95,7 +96,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
             p = input
             merged = F.batch_norm(p.reshape(-1, *p.shape[2:]), running_mean, running_var, w0, b0, False, momentum, eps)
             out = merged.reshape(p.shape)
-            if _delta(weight) is None and _delta(bias) is None:
+            if not varies(weight) and not varies(bias):
                 return out
             out_a = out[0]
         else:
@@ -118,7 +119,7 @@ def _bn_tangents(x, a, out_a, mean, invstd, weight, bias, eps, ch):
     """``out_j = out_a + BN_backward(d_j) + xhat * dgamma_j + dbeta_j`` with the primal statistics."""
     w0 = _primal(weight)
     k = next(t.shape[0] for t in (x, weight, bias) if is_clone(t))
-    d = _delta(x)
+    d = _delta(x, nonfinite=False)
     tans = []
     for j in range(k - 1):
         t = out_a
@@ -127,7 +128,7 @@ def _bn_tangents(x, a, out_a, mean, invstd, weight, bias, eps, ch):
                 d[j], a, w0, None, None, mean, invstd, True, eps, [True, False, False])[0]
         tans.append(t)
     tan = torch.stack(tans)
-    if _delta(weight) is not None or _delta(bias) is not None:
+    if varies(weight) or varies(bias):
         # differentiable statistics here (the kernel's saved mean/invstd carry no gradient)
         dims = (0,) + tuple(range(2, a.dim()))
         var, mu = torch.var_mean(a, dim=dims, correction=0, keepdim=True)
@@ -148,7 +149,7 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
     a = _primal(input)
     w0, b0 = _primal(weight), _primal(bias)
     ch = lambda p: _channel_view(p, a.dim())
-    if not use_input_stats and is_clone(input) and _delta(weight) is None and _delta(bias) is None:
+    if not use_input_stats and is_clone(input) and not varies(weight) and not varies(bias):
         # running statistics: affine and per sample, so one call on the merged batch
         out = F.instance_norm(input.reshape(-1, *input.shape[2:]), running_mean, running_var, w0, b0, False,
                               momentum, eps)
@@ -172,14 +173,15 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
     a = input[0]
     w0, b0 = _primal(weight), _primal(bias)
     out_a, mean, rstd = torch.native_layer_norm(a, normalized_shape, w0, b0, eps)
-    mean, rstd = mean.detach(), rstd.detach()  # layer_norm_backward's double backward differentiates them
-    d = _delta(input)
+    if mean.requires_grad:  # not differentiable outputs in torch; layer_norm_backward's double backward
+        mean, rstd = mean.detach(), rstd.detach()  # differentiates through the input instead
+    d = _delta(input, nonfinite=False)
     tan = None
     if d is not None:  # the normalisation's Jacobian is symmetric: its backward kernel (no weight) applied to d_j
-        tan = per_block(lambda b: torch.ops.aten.native_layer_norm_backward(
+        tan = each_block(lambda b: torch.ops.aten.native_layer_norm_backward(
             b, a, normalized_shape, mean, rstd, None, None, [True, False, False])[0], d)
         tan = tan if w0 is None else tan * w0
-    if _delta(weight) is not None or _delta(bias) is not None:  # xhat with differentiable statistics
+    if varies(weight) or varies(bias):  # xhat with differentiable statistics
         var, mu = torch.var_mean(a, dim=tuple(range(-len(normalized_shape), 0)), correction=0, keepdim=True)
         params = affine_tangent((a - mu) * torch.rsqrt(var + eps), weight, bias, lambda p: p)
         tan = params if tan is None else tan + params
@@ -199,7 +201,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     rstd_g = torch.rsqrt(var + eps)
     xhat = ((ag - mean) * rstd_g).reshape(a.shape)
     k1 = input.shape[0] - 1
-    d = block_delta(input[1:], a).reshape(k1, n, num_groups, -1)
+    d = block_delta(input[1:], a, nonfinite=False).reshape(k1, n, num_groups, -1)
     xg = xhat.reshape(n, num_groups, -1)
     dn = (d - d.mean(-1, keepdim=True) - xg * (d * xg).mean(-1, keepdim=True)) * rstd_g
     dn = dn.reshape(k1, *a.shape)
@@ -242,7 +244,7 @@ def _sync_batch_norm_rule(args, kwargs):
             rm.mul_(1 - momentum).add_(mean.detach() * momentum)
             rv.mul_(1 - momentum).add_(var.detach() * (n / (n - 1)) * momentum)
     k1 = x.shape[0] - 1
-    d = block_delta(x[1:], a)
+    d = block_delta(x[1:], a, nonfinite=False)
     ddims = (1,) + tuple(i + 1 for i in dims[1:])
     sums = all_reduce(torch.cat([d.sum(ddims).flatten(), (d * xhat).sum(ddims).flatten()]), group=group)
     md = sums[: k1 * c].reshape(k1, 1, c, *([1] * (a.dim() - 2))) / n

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
-from ..tensor import block_delta, is_clone, neg_dim, per_block, stack_blocks
+from ..tensor import block_delta, each_block, is_clone, neg_dim, stack_blocks
 
 T = torch.Tensor
 aten = torch.ops.aten
@@ -38,7 +38,7 @@ def def_smooth(funcs, inplace=(), *, primal: Callable, doc: str, slope: Callable
         out_a = primal(a, *args, **kwargs)
         d = block_delta(input[1:], a)
         if kernel is not None:
-            tan = per_block(lambda b: kernel(b, a, out_a, *args, **kwargs), d)
+            tan = each_block(lambda b: kernel(b, a, out_a, *args, **kwargs), d)
         else:
             tan = slope(a, out_a, *args, **kwargs) * d
         return stack_blocks(out_a, out_a + tan)
@@ -137,7 +137,7 @@ def _softmax(log: bool):
             tan = out_a + d - (p * d).sum(dim, keepdim=True)
         else:  # softmax's Jacobian is symmetric: its backward kernel applied to d_j is J d_j
             out_a = torch.softmax(a, dim)
-            tan = out_a + per_block(lambda b: aten._softmax_backward_data(b, out_a, dim, a.dtype), d)
+            tan = out_a + each_block(lambda b: aten._softmax_backward_data(b, out_a, dim, a.dtype), d)
         return stack_blocks(out_a, tan)
 
     rule.__doc__ = ("log_softmax: out_j = out_a + d_j - sum(p d_j)" if log
