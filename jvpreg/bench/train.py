@@ -159,26 +159,32 @@ def _proc_status_kib(field: str) -> int:
     raise OSError(f"no {field} in /proc/self/status")
 
 
-def peak_memory(step: "Step") -> Optional[float]:
-    """Peak resident memory (bytes) one step adds above what the process holds before it (Linux).
+def peak_memory(step: "Step", repeats: int = 5) -> Optional[float]:
+    """Peak resident memory (bytes) one step adds above what the process holds before it (Linux), median of
+    ``repeats`` steps.
 
     Free heap pages are returned to the OS first (``malloc_trim``) and the kernel's high-water mark is
     reset (``/proc/self/clear_refs``), so the figure is the step's own peak: activations saved for
-    backward, gradients, temporaries. ``None`` where the kernel does not offer this.
+    backward, gradients, temporaries. One step's figure moves by 10-20% with what the allocator keeps,
+    hence the median. ``None`` where the kernel does not offer this.
     """
     import ctypes
     import gc
+    import statistics
 
+    peaks = []
     try:
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        rss0 = _proc_status_kib("VmRSS")
-        step()
-        return float(_proc_status_kib("VmHWM") - rss0) * 1024.0
+        for _ in range(repeats):
+            gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            rss0 = _proc_status_kib("VmRSS")
+            step()
+            peaks.append(float(_proc_status_kib("VmHWM") - rss0) * 1024.0)
     except (OSError, AttributeError):
         return None
+    return statistics.median(peaks)
 
 
 def _grad_check(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor]) -> float:
