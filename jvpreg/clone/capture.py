@@ -316,7 +316,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
             for j, t in zip(slot_pos, flat[n_in:]):
                 if type(slot_values[j]) is CloneTensor:
                     _tensor.track(slot_values[j], t)
-            args, kwargs = tree_unflatten(new_leaves, in_spec)
+            args, kwargs = (tuple(new_leaves), {}) if type(in_spec) is int else tree_unflatten(new_leaves, in_spec)
             out = fn(*args, **kwargs)
             out_leaves, out_spec = tree_flatten(out)
             kinds, tensors = [], []
@@ -572,7 +572,10 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     rec = _RECORDS.get(module)
     if rec is None or not rec.valid():
         rec = _RECORDS[module] = _Record.of(module)
-    leaves, in_spec = tree_flatten((args, kwargs))
+    if not kwargs and all(type(a) is CloneTensor or type(a) is torch.Tensor for a in args):
+        leaves, in_spec = list(args), len(args)  # the usual call f(x1, ..., xn): no pytree walk
+    else:
+        leaves, in_spec = tree_flatten((args, kwargs))
     slot_values = [store.get(name) for store, name in rec.slots]
     key = _key(rec, id(getattr(fn, "__func__", fn)), in_spec, leaves, slot_values)
     prog = rec.programs.get(key)
