@@ -842,3 +842,18 @@ def test_keyword_calls_match_torch_func(name):
     y_ref, t_ref = torch.func.jvp(f, (x,), (u,))
     torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_layer_norm_under_bf16_autocast(engine):
+    """CPU bf16 autocast runs layer_norm in float32: the primal equals the plain forward bit for bit and the
+    tangent is within bf16 error of the float64 reference (the backward-kernel tangent once crashed here)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 4))
+    x, u = torch.randn(3, 8), torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+        y_plain = model(x)
+    assert torch.equal(y, y_plain)
+    want = torch.func.jvp(model.double(), (x.double(),), (u.double(),))[1]
+    assert ((t.double() - want).norm() / want.norm()).item() < 2e-2

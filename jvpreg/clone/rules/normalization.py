@@ -172,14 +172,19 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
     input = _batch_input(input, weight, bias)
     a = input[0]
     w0, b0 = _primal(weight), _primal(bias)
-    out_a, mean, rstd = torch.native_layer_norm(a, normalized_shape, w0, b0, eps)
+    if torch.is_autocast_enabled(a.device.type):  # autocast's layer_norm (float32) for the primal, as a plain forward
+        out_a = F.layer_norm(a, normalized_shape, w0, b0, eps)
+        a = a.to(out_a.dtype)
+        _, mean, rstd = torch.native_layer_norm(a, normalized_shape, None, None, eps)
+    else:
+        out_a, mean, rstd = torch.native_layer_norm(a, normalized_shape, w0, b0, eps)
     if mean.requires_grad:  # not differentiable outputs in torch; layer_norm_backward's double backward
         mean, rstd = mean.detach(), rstd.detach()  # differentiates through the input instead
     d = _delta(input, nonfinite=False)
     tan = None
     if d is not None:  # the normalisation's Jacobian is symmetric: its backward kernel (no weight) applied to d_j
         tan = each_block(lambda b: torch.ops.aten.native_layer_norm_backward(
-            b, a, normalized_shape, mean, rstd, None, None, [True, False, False])[0], d)
+            b.to(a.dtype), a, normalized_shape, mean, rstd, None, None, [True, False, False])[0], d)
         tan = tan if w0 is None else tan * w0
     if varies(weight) or varies(bias):  # xhat with differentiable statistics
         var, mu = torch.var_mean(a, dim=tuple(range(-len(normalized_shape), 0)), correction=0, keepdim=True)
