@@ -41,7 +41,7 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
 from __future__ import annotations
 
 import contextlib
-import operator
+import gc
 import re
 import types
 import warnings
@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import functions
 from . import tensor as _tensor
+from .passes import optimize
 from .tensor import CloneTensor
 
 __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "call", "reset", "uncompiled",
@@ -218,13 +219,23 @@ def _unsupported(module: nn.Module, rec: _Record) -> str:
 # --------------------------------------------------------------------------------- the guard key
 
 
+def _finite(leaf: torch.Tensor) -> bool:
+    """Every entry of ``leaf`` (of its primal block, for a clone) is finite. Checked on the CPU only: on a
+    device it would cost a host synchronisation, so a device tensor counts as possibly non-finite."""
+    t = _phys(leaf)[0] if type(leaf) is CloneTensor else leaf
+    if t.device.type != "cpu":
+        return False
+    return not (t.is_floating_point() or t.is_complex()) or bool(torch.isfinite(t).all())
+
+
 def _leaf_sig(leaf: Any) -> Any:
     t = type(leaf)
     if t is CloneTensor:
         with DisableTorchFunctionSubclass():
-            return ("clone", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad, bool(leaf._jvp_state))
+            return ("clone", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad, bool(leaf._jvp_state),
+                    _finite(leaf))
     if isinstance(leaf, torch.Tensor):
-        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad, _finite(leaf))
     try:
         hash(leaf)
     except TypeError:
@@ -273,6 +284,20 @@ def _capturing(tracer: Any):
         yield
     finally:
         _tensor._CAPTURING[0] = prev
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """No garbage collection while tracing: a finalizer that switches grad mode (``torch.no_grad()`` in a
+    ``__del__``) would be recorded into the program, or break the tracer's code generation (``KeyError:
+    _set_grad_enabled``, seen when a collection happened to run inside ``make_fx``)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @contextlib.contextmanager
@@ -339,11 +364,12 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     inputs = [c.requires_grad_(leaves[i].requires_grad) for c, i in zip(copies, clone_pos)]
     inputs += [_phys(slot_values[j]) for j in slot_pos]
     device = next((t.device for t in inputs), torch.device("cpu"))
-    with _restored_state(module, device), warnings.catch_warnings():
+    with _restored_state(module, device), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
     _pin_grad_modes(gm.graph, torch.is_grad_enabled())
-    optimize(gm)
+    finite = [_finite(leaves[i]) for i in clone_pos] + [_finite(slot_values[j]) for j in slot_pos]
+    optimize(gm, finite)
     keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
     return _Program(gm=gm, keep=keep, out_spec=out_meta["spec"], out_kinds=out_meta["kinds"],
                     attrs=_baked_attributes(gm, rec), replay=_direct_calls(gm))
@@ -414,103 +440,6 @@ def _pin_grad_modes(graph: torch.fx.Graph, initial: bool) -> None:
             with graph.inserting_before(node):
                 graph.call_function(torch._C._set_grad_enabled, (want,))
             state = want
-
-
-def _pure(target: Any) -> bool:
-    """An op whose result depends only on its arguments (no mutation, no randomness)."""
-    if not isinstance(target, torch._ops.OpOverload):
-        return target is operator.getitem
-    schema = target._schema
-    return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
-
-
-def optimize(gm: torch.fx.GraphModule) -> None:
-    """Common-subexpression and dead-code elimination on a captured program, in place.
-
-    The clone rules read block 0 of the same tensor many times (``h[0]``); the eager engine cannot
-    share those reads across rules, the program can. Conservative: the table of known values is
-    dropped at every mutating or non-aten node, and random ops are never merged.
-    """
-    graph = gm.graph
-    seen: Dict[Any, torch.fx.Node] = {}
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if not _pure(node.target):
-            seen.clear()
-            continue
-        try:
-            key = (node.target, tuple(node.args), tuple(sorted(node.kwargs.items())))
-            hash(key)
-        except TypeError:
-            continue
-        prev = seen.get(key)
-        if prev is None:
-            seen[key] = node
-        else:
-            node.replace_all_uses_with(prev)
-            graph.erase_node(node)
-    _drop_broadcast_expands(graph)
-    _fold_reshapes(graph)
-    for node in reversed(list(graph.nodes)):  # dead pure ops only: grad-mode switches and writes stay
-        if node.op == "call_function" and not node.users and _pure(node.target):
-            graph.erase_node(node)
-    gm.recompile()
-
-
-_EXPANDS = (torch.ops.aten.expand.default, torch.ops.aten.expand_as.default)
-
-
-def _shape(node: Any):
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def _drop_broadcast_expands(graph: torch.fx.Graph) -> None:
-    """``op(h, expand(a, h.shape))`` -> ``op(h, a)`` for pointwise ops: broadcasting does the expansion
-    (same values, same gradients) without a call; rules expand block 0 to reuse fused kernels."""
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _EXPANDS:
-            continue
-        full = _shape(node)
-        for user in list(node.users):
-            t = user.target
-            if (user.op != "call_function" or not isinstance(t, torch._ops.OpOverload)
-                    or torch.Tag.pointwise not in t.tags or t._schema.is_mutable or _shape(user) != full):
-                continue
-            others = [a for a in user.args if isinstance(a, torch.fx.Node) and a is not node]
-            if any(_shape(a) == full for a in others):
-                user.replace_input_with(node, node.args[0])
-
-
-_RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
-
-
-def _contiguous(node: Any) -> bool:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.is_contiguous()
-
-
-def _fold_reshapes(graph: torch.fx.Graph) -> None:
-    """``reshape(reshape(x, s1), s2)`` -> ``reshape(x, s2)``, and -> ``x`` when ``s2`` is ``x``'s shape.
-
-    Rules flatten the block dim into the batch for a kernel and split it back (``(K, B, ...)`` ->
-    ``(K*B, ...)`` -> ``(K, B, ...)``); consecutive layers then reshape back and forth. Only for
-    contiguous sources, where every reshape is a view: the same values, gradients and aliasing.
-    """
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _RESHAPES:
-            continue
-        src = node.args[0]
-        while isinstance(src, torch.fx.Node) and src.target in _RESHAPES and _contiguous(src.args[0]):
-            src = src.args[0]
-        if not _contiguous(src):
-            continue
-        if _shape(src) == _shape(node) and src.op != "placeholder":
-            node.replace_all_uses_with(src)
-            graph.erase_node(node)
-        elif src is not node.args[0]:
-            node.args = (src, *node.args[1:])
 
 
 def _inputs(leaves: List[Any], slot_values: List[Any]) -> List[torch.Tensor]:

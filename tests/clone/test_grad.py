@@ -220,7 +220,8 @@ def test_gradient_of_jvp_params_penalty():
 KERNEL_TANGENT_LAYERS = {
     "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "gelu": nn.GELU, "gelu-tanh": lambda: nn.GELU(approximate="tanh"),
     "softplus": lambda: nn.Softplus(beta=2.0, threshold=3.0), "elu": lambda: nn.ELU(alpha=0.7),
-    "hardswish": nn.Hardswish, "softmax": lambda: nn.Softmax(dim=-1), "layer_norm": lambda: nn.LayerNorm(5),
+    "hardswish": nn.Hardswish, "hardsigmoid": nn.Hardsigmoid, "softmax": lambda: nn.Softmax(dim=-1),
+    "layer_norm": lambda: nn.LayerNorm(5),
 }
 
 

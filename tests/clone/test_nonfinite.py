@@ -11,9 +11,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
+from jvpreg.clone import capture
 from jvpreg.clone.sweep import mismatch
 
 D = torch.float64
@@ -85,3 +87,74 @@ def test_inf_mask_output_has_zero_tangent_and_batched_tangents():
     y, T = jvpreg.jvp(lambda z: z.masked_fill(causal(4), -INF), (x,), (U,), batched_tangents=True)
     assert torch.equal(T[:, causal(4)], torch.zeros_like(T[:, causal(4)]))
     assert torch.equal(T[:, ~causal(4)], U[:, ~causal(4)])
+
+
+# ------------------------------------------------------------------ captured programs: the fix only where needed
+
+
+class AsModule(nn.Module):
+    def __init__(self, f, mask=None):
+        super().__init__()
+        self.f = f
+        if mask is not None:
+            self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        return self.f(self, x)
+
+
+def fixes(module):
+    """Number of ``isnan`` kernels (one per kept non-finite fix) in each captured program of ``module``."""
+    return [sum(n.target is torch.ops.aten.isnan.default for n in p.gm.graph.nodes)
+            for p in capture.programs(module).values() if p.gm is not None]
+
+
+def jvps(module, x, u):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = jvpreg.jvp(module, (x,), (u,), engine="eager")
+        captured = [jvpreg.jvp(module, (x,), (u,), engine="captured") for _ in range(2)]
+    for got in captured:
+        for c, e in zip(got, eager):
+            torch.testing.assert_close(c, e, rtol=0, atol=0, equal_nan=True)
+    return eager
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_captured_inf_masks_equal_eager(name):
+    """Captured programs drop the fix only where the primal provably holds no infinity: NaN for NaN."""
+    torch.manual_seed(0)
+    module = AsModule(lambda self, x: PATTERNS[name](x))
+    jvps(module, torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D))
+
+
+def mlp(self, x):
+    return F.linear(torch.sigmoid(torch.tanh(x * 2.0)), torch.ones(3, 5, dtype=x.dtype))
+
+
+def test_finite_program_has_no_fix_and_an_infinite_input_recaptures_with_it():
+    torch.manual_seed(0)
+    module = AsModule(mlp)
+    x, u = torch.randn(4, 5, dtype=D), torch.randn(4, 5, dtype=D)
+    jvps(module, x, u)
+    assert fixes(module) == [0]
+    x[0, 0], u[0, 0] = -INF, 0.0  # tanh(-inf): an infinity shared by every block, zero tangent
+    x[1, 1], u[1, 1] = INF, 0.0
+    y, t = jvps(module, x, u)
+    assert fixes(module)[1] > 0, "a non-finite input must recapture with the fix"
+    ry, rt = torch.func.jvp(lambda z: mlp(None, z), (x,), (u,))
+    torch.testing.assert_close(t, rt)  # finite: without the fix, tanh's tangent there is NaN
+
+
+def test_inf_buffer_and_inf_making_ops_keep_the_fix():
+    torch.manual_seed(0)
+    mask = torch.zeros(5, dtype=D).masked_fill(torch.arange(5) > 2, -INF)
+    x, u = torch.randn(4, 5, dtype=D), torch.randn(4, 5, dtype=D)
+    buffer = AsModule(lambda self, x: torch.tanh(x + self.mask), mask)
+    y, t = jvps(buffer, x, u)
+    assert fixes(buffer) == [1]
+    rt = torch.func.jvp(lambda z: torch.tanh(z + mask), (x,), (u,))[1]
+    torch.testing.assert_close(t, rt)  # 0 under the mask, not NaN
+    made = AsModule(lambda self, x: torch.tanh(torch.log(x.abs() * (torch.arange(5) < 3).to(x.dtype))))
+    jvps(made, x, u)  # log(0) = -inf in every block: tanh's fix stays (log's own input is finite)
+    assert fixes(made) == [1]

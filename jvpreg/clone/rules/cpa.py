@@ -163,11 +163,13 @@ def threshold(input, threshold, value, inplace=False):
 
 @register_rule(F.hardsigmoid, torch._C._nn.hardsigmoid, inplace=(torch._C._nn.hardsigmoid_,))
 def hardsigmoid(input, inplace=False):
-    """hardsigmoid(z) = z/6 + 1/2 on -3 < a < 3, else hardsigmoid(a)."""
+    """hardsigmoid(z) = out(a) + (z - a)/6 on -3 < a < 3, else out(a). The mask is hardtanh's backward kernel
+    (``hardsigmoid_backward`` has no double backward), one block at a time; its 0 off the open interval also
+    covers an infinite ``a``: no non-finite fix."""
     a = input[0]
     out_a = F.hardsigmoid(a)
-    inside = (a > -3) & (a < 3)
-    return stack_blocks(out_a, torch.where(inside, out_a + block_delta(input[1:], a) / 6, out_a))
+    d = block_delta(input[1:], a, nonfinite=False)
+    return stack_blocks(out_a, out_a + each_block(lambda b: torch.ops.aten.hardtanh_backward(b, a, -3.0, 3.0), d) / 6)
 
 
 @register_rule(F.hardswish, torch._C._nn.hardswish, inplace=(torch._C._nn.hardswish_,))

@@ -1,0 +1,258 @@
+"""Graph passes over a captured clone program (:mod:`jvpreg.clone.capture`): fewer ops, same values.
+
+Every pass rewrites a ``torch.fx`` graph of aten ops recorded from the eager clone forward into one
+that computes the same tensors with the same gradients:
+
+* common-subexpression and dead-code elimination (:func:`optimize`);
+* ``op(h, expand(a))`` -> ``op(h, a)`` for pointwise ops (:func:`_drop_broadcast_expands`);
+* reshape chains folded (:func:`_fold_reshapes`);
+* the non-finite fix of :func:`jvpreg.clone.tensor.block_delta` dropped where the primal block provably
+  holds no infinity (:func:`_drop_finite_fixes`): ``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` is
+  ``z - a`` when ``a`` is finite.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Dict, Sequence
+
+import torch
+
+__all__ = ["optimize"]
+
+def _pure(target: Any) -> bool:
+    """An op whose result depends only on its arguments (no mutation, no randomness)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return target is operator.getitem
+    schema = target._schema
+    return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def optimize(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool] = ()) -> None:
+    """Run every pass on a captured program, in place, then recompile it.
+
+    Common-subexpression elimination first: the clone rules read block 0 of the same tensor many
+    times (``h[0]``); the eager engine cannot share those reads across rules, the program can.
+    Conservative: the table of known values is dropped at every mutating or non-aten node, and
+    random ops are never merged. ``finite_inputs[i]``: placeholder ``i`` holds finite values only (its
+    primal block, for a clone), which :func:`_drop_finite_fixes` builds on.
+    """
+    graph = gm.graph
+    seen: Dict[Any, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if not _pure(node.target):
+            seen.clear()
+            continue
+        try:
+            key = (node.target, tuple(node.args), tuple(sorted(node.kwargs.items())))
+            hash(key)
+        except TypeError:
+            continue
+        prev = seen.get(key)
+        if prev is None:
+            seen[key] = node
+        else:
+            node.replace_all_uses_with(prev)
+            graph.erase_node(node)
+    _drop_broadcast_expands(graph)
+    _fold_reshapes(graph)
+    _drop_finite_fixes(gm, finite_inputs)
+    for node in reversed(list(graph.nodes)):  # dead pure ops only: grad-mode switches and writes stay
+        if node.op == "call_function" and not node.users and _pure(node.target):
+            graph.erase_node(node)
+    gm.recompile()
+
+
+_EXPANDS = (torch.ops.aten.expand.default, torch.ops.aten.expand_as.default)
+
+
+def _shape(node: Any):
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _drop_broadcast_expands(graph: torch.fx.Graph) -> None:
+    """``op(h, expand(a, h.shape))`` -> ``op(h, a)`` for pointwise ops: broadcasting does the expansion
+    (same values, same gradients) without a call; rules expand block 0 to reuse fused kernels."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _EXPANDS:
+            continue
+        full = _shape(node)
+        for user in list(node.users):
+            t = user.target
+            if (user.op != "call_function" or not isinstance(t, torch._ops.OpOverload)
+                    or torch.Tag.pointwise not in t.tags or t._schema.is_mutable or _shape(user) != full):
+                continue
+            others = [a for a in user.args if isinstance(a, torch.fx.Node) and a is not node]
+            if any(_shape(a) == full for a in others):
+                user.replace_input_with(node, node.args[0])
+
+
+_RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
+
+
+def _contiguous(node: Any) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
+
+
+def _fold_reshapes(graph: torch.fx.Graph) -> None:
+    """``reshape(reshape(x, s1), s2)`` -> ``reshape(x, s2)``, and -> ``x`` when ``s2`` is ``x``'s shape.
+
+    Rules flatten the block dim into the batch for a kernel and split it back (``(K, B, ...)`` ->
+    ``(K*B, ...)`` -> ``(K, B, ...)``); consecutive layers then reshape back and forth. Only for
+    contiguous sources, where every reshape is a view: the same values, gradients and aliasing.
+    """
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _RESHAPES:
+            continue
+        src = node.args[0]
+        while isinstance(src, torch.fx.Node) and src.target in _RESHAPES and _contiguous(src.args[0]):
+            src = src.args[0]
+        if not _contiguous(src):
+            continue
+        if _shape(src) == _shape(node) and src.op != "placeholder":
+            node.replace_all_uses_with(src)
+            graph.erase_node(node)
+        elif src is not node.args[0]:
+            node.args = (src, *node.args[1:])
+
+
+
+
+# ------------------------------------------------------------------------- the non-finite fix, where it is moot
+
+# Ops whose floating outputs are finite when their tensor inputs and number arguments are (up to
+# overflow, where a difference ``inf - inf`` gives NaN: loud, never a wrong finite value; an ``empty``
+# tensor is written before it is read). In-place
+# (``relu_``) and out= overloads are covered by their names. Anything else can make an infinity that
+# every block shares (``log(0)``, ``1 / 0``, ``masked_fill(m, -inf)``), so its output counts as non-finite.
+_FINITE_OPS = frozenset("""
+    linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution _convolution
+    matmul mm bmm addmm addmv addbmm baddbmm mv dot einsum bilinear
+    add sub rsub mul neg sum mean addcmul abs sign sgn maximum minimum where masked_fill sqrt square sin cos erf
+    atan floor ceil round trunc
+    relu threshold threshold_backward clamp clamp_min clamp_max hardtanh hardtanh_backward relu6 leaky_relu
+    leaky_relu_backward prelu _prelu_kernel gelu gelu_backward silu sigmoid sigmoid_backward tanh tanh_backward
+    hardswish hardswish_backward hardsigmoid hardsigmoid_backward elu elu_backward softplus softplus_backward mish
+    batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_no_training
+    _native_batch_norm_legit_functional layer_norm native_layer_norm native_layer_norm_backward group_norm
+    native_group_norm instance_norm softmax _softmax _softmax_backward_data log_softmax _log_softmax
+    scaled_dot_product_attention _scaled_dot_product_flash_attention_for_cpu
+    dropout native_dropout feature_dropout
+    max_pool1d max_pool2d max_pool3d max_pool2d_with_indices max_pool3d_with_indices avg_pool1d avg_pool2d
+    avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d _adaptive_avg_pool2d
+    adaptive_max_pool1d adaptive_max_pool2d upsample_nearest2d upsample_bilinear2d pixel_shuffle
+    pixel_unshuffle constant_pad_nd pad embedding gather index_select
+    view _unsafe_view reshape permute transpose t select slice unsqueeze squeeze expand expand_as flatten
+    unflatten contiguous clone alias detach unbind split split_with_sizes chunk narrow movedim view_as cat
+    stack repeat flip roll diagonal tril triu copy to _to_copy type_as lift_fresh_copy
+    zeros zeros_like ones ones_like full full_like scalar_tensor arange new_zeros new_ones new_full fill
+    bernoulli uniform normal rand rand_like randn randn_like randint randperm
+    empty empty_like new_empty empty_strided
+""".split())
+
+
+def _numbers(args: Any):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _numbers(a)
+        elif isinstance(a, (int, float)) and not isinstance(a, bool):
+            yield a
+
+
+def _makes_infinity(node: torch.fx.Node) -> bool:
+    """``node`` may turn finite inputs into an infinity (by design, not by overflow)."""
+    target = node.target
+    if target is operator.getitem:
+        return False
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    name = target._schema.name.split("::")[-1].rstrip("_")
+    args = list(node.args) + list(node.kwargs.values())
+    if any(not math.isfinite(v) for v in _numbers(args)):
+        return True
+    if name in ("div", "pow"):  # finite for a number divisor != 0, a number exponent >= 0
+        other = node.args[1] if len(node.args) > 1 else None
+        ok = (lambda v: v != 0) if name == "div" else (lambda v: v >= 0)
+        return not (isinstance(other, (int, float)) and ok(other) and not node.kwargs.get("rounding_mode"))
+    return name not in _FINITE_OPS
+
+
+def _floating(val: Any) -> bool:
+    if isinstance(val, torch.Tensor):
+        return val.is_floating_point() or val.is_complex()
+    if isinstance(val, (list, tuple)):
+        return any(map(_floating, val))
+    return True  # unknown: assume it can hold an infinity
+
+
+def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool]) -> Dict[torch.fx.Node, bool]:
+    """For each node: can its value hold an infinity that does not come from overflow? ``{}`` when an
+    in-place write could put one into a tensor already marked finite (the analysis then gives up)."""
+    inf: Dict[torch.fx.Node, bool] = {}
+    i = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            inf[node] = not (i < len(finite_inputs) and finite_inputs[i])
+            i += 1
+        elif node.op == "get_attr":
+            val = getattr(gm, node.target, None)
+            inf[node] = not (isinstance(val, torch.Tensor) and bool(torch.isfinite(val).all()))
+        elif node.op == "call_function":
+            if "val" in node.meta and not _floating(node.meta["val"]):
+                inf[node] = False
+                continue
+            inputs = node.all_input_nodes
+            inf[node] = _makes_infinity(node) or any(inf.get(n, True) for n in inputs)
+            target = node.target
+            if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable and inf[node]:
+                return {}
+    return inf
+
+
+_MASKED_FILL = torch.ops.aten.masked_fill.Scalar
+_SUB, _ISNAN = torch.ops.aten.sub.Tensor, torch.ops.aten.isnan.default
+_EQ, _AND = torch.ops.aten.eq.Tensor, torch.ops.aten.__and__.Tensor
+
+
+def _nonfinite_fix(node: torch.fx.Node):
+    """``(d, a)`` if ``node`` is ``masked_fill(d, isnan(d) & (z == a), 0)`` with ``d = z - a``, else ``None``."""
+    if node.target is not _MASKED_FILL or len(node.args) != 3 or node.args[2] != 0 or node.kwargs:
+        return None
+    d, m = node.args[0], node.args[1]
+    if not (isinstance(d, torch.fx.Node) and d.target is _SUB and len(d.args) == 2 and not d.kwargs):
+        return None
+    if not (isinstance(m, torch.fx.Node) and m.target is _AND and len(m.args) == 2):
+        return None
+    isnan, eq = m.args
+    if not (isinstance(isnan, torch.fx.Node) and isnan.target is _ISNAN and isnan.args[0] is d):
+        return None
+    if not (isinstance(eq, torch.fx.Node) and eq.target is _EQ and tuple(eq.args) == tuple(d.args)):
+        return None
+    return d, d.args[1]
+
+
+def _drop_finite_fixes(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool]) -> None:
+    """``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` -> ``z - a`` where ``a`` holds no infinity.
+
+    The fix turns ``inf - inf`` into 0 where every block holds the same infinity (a ``-inf`` mask);
+    with a finite primal ``a``, ``z == a`` and ``isnan(z - a)`` never hold together, so the masked
+    fill changes nothing: four kernels per smooth op saved. ``a`` is finite when every input it
+    depends on is (:func:`_may_be_infinite`): a parameter or buffer as it was at capture (one that
+    turns non-finite later gives NaN where the fix would give 0), a call's tensors as the guard
+    checked them, no op on the way that makes infinities by design.
+    """
+    inf = None
+    for node in list(gm.graph.nodes):
+        match = _nonfinite_fix(node) if node.op == "call_function" else None
+        if match is None:
+            continue
+        if inf is None:
+            inf = _may_be_infinite(gm, finite_inputs)
+        d, a = match
+        if inf and isinstance(a, torch.fx.Node) and not inf.get(a, True):
+            node.replace_all_uses_with(d)
+            gm.graph.erase_node(node)
