@@ -24,7 +24,8 @@ The clone subclass stays invisible to the tracer: clone tensors made while captu
 tracked physical tensor (:func:`jvpreg.clone.tensor.track`).
 
 Guards (checked on every call, cheaply): the call's pytree structure and every tensor's shape,
-dtype, device, ``requires_grad`` and block count; identity of every parameter and buffer (a
+dtype, device, ``requires_grad``, block count and, on the CPU, whether its primal is finite (the
+program drops the non-finite fix where no infinity can reach it: :mod:`jvpreg.clone.passes`); identity of every parameter and buffer (a
 replaced tensor recaptures; a clone parameter is matched by its metadata); every submodule's
 ``training`` flag and its children (a swapped submodule recaptures); plain tensor attributes of the
 modules that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode,

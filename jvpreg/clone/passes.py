@@ -5,7 +5,10 @@ that computes the same tensors with the same gradients:
 
 * common-subexpression and dead-code elimination (:func:`optimize`);
 * ``op(h, expand(a))`` -> ``op(h, a)`` for pointwise ops (:func:`_drop_broadcast_expands`);
-* reshape chains folded (:func:`_fold_reshapes`);
+* reshape chains folded (:func:`_fold_reshapes`), casts to the dtype a tensor has dropped
+  (:func:`_drop_noop_casts`), ``select(slice(x))`` read from ``x`` (:func:`_select_through_slices`),
+  ``op(b, unsqueeze(c, 0))`` as ``unsqueeze(op(b, c), 0)`` (:func:`_sink_unsqueezes`) so that
+  ``cat([unsqueeze(a, 0), ...])`` becomes one ``stack`` (:func:`_stack_unsqueezed_cats`);
 * the non-finite fix of :func:`jvpreg.clone.tensor.block_delta` dropped where the primal block provably
   holds no infinity (:func:`_drop_finite_fixes`): ``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` is
   ``z - a`` when ``a`` is finite.
@@ -58,6 +61,11 @@ def optimize(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool] = ()) -> No
             graph.erase_node(node)
     _drop_broadcast_expands(graph)
     _fold_reshapes(graph)
+    _drop_noop_casts(graph)
+    _hoist_selects(graph)
+    _select_through_slices(graph)
+    _sink_unsqueezes(graph)
+    _stack_unsqueezed_cats(graph)
     _drop_finite_fixes(gm, finite_inputs)
     for node in reversed(list(graph.nodes)):  # dead pure ops only: grad-mode switches and writes stay
         if node.op == "call_function" and not node.users and _pure(node.target):
@@ -120,6 +128,137 @@ def _fold_reshapes(graph: torch.fx.Graph) -> None:
             node.args = (src, *node.args[1:])
 
 
+
+
+_TO_DTYPE = torch.ops.aten.to.dtype
+
+
+def _drop_noop_casts(graph: torch.fx.Graph) -> None:
+    """``to(x, dtype)`` -> ``x`` when ``x`` has that dtype: ``to`` returns ``x`` itself then (same aliasing);
+    rules cast tangents to the primal's dtype for the autocast case."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _TO_DTYPE or node.kwargs or len(node.args) != 2:
+            continue
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dtype == node.args[1]:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+
+
+_SELECT, _SLICE = torch.ops.aten.select.int, torch.ops.aten.slice.Tensor
+
+
+def _select_through_slices(graph: torch.fx.Graph) -> None:
+    """``select(slice(x, d, start, end), d, i)`` -> ``select(x, d, start + i)`` (a block of ``x[1:]``: the same
+    view of ``x``)."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _SELECT or len(node.args) != 3:
+            continue
+        src, dim, i = node.args
+        if not (isinstance(src, torch.fx.Node) and src.target is _SLICE and not src.kwargs) or src.args[1:2] != (dim,):
+            continue
+        start = src.args[2] if len(src.args) > 2 else 0
+        step = src.args[4] if len(src.args) > 4 else 1
+        size = _shape(src)
+        if not (isinstance(start, int) and start >= 0 and step == 1 and isinstance(i, int) and size
+                and 0 <= i < size[dim]):
+            continue
+        node.args = (src.args[0], dim, start + i)
+
+
+_BINARY = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor)
+
+
+def _sink_unsqueezes(graph: torch.fx.Graph) -> None:
+    """``op(b, unsqueeze(c, 0))`` -> ``unsqueeze(op(b, c), 0)`` for add/sub/mul when ``b`` broadcasts to ``c``'s
+    shape: the same values (the leading 1 only broadcasts), one call moved, and chains of such ops end in
+    one unsqueeze that :func:`_stack_unsqueezed_cats` folds into the rule's output stack."""
+    shapes: Dict[torch.fx.Node, Any] = {}
+
+    def shape(n):
+        return shapes[n] if n in shapes else _shape(n)
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _BINARY or node.kwargs or len(node.args) != 2:
+            continue
+        pos = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.target is _UNSQUEEZE
+               and tuple(a.args[1:]) == (0,) and len(a.users) == 1]
+        if len(pos) != 1:
+            continue
+        unsq = node.args[pos[0]]
+        c, other = unsq.args[0], node.args[1 - pos[0]]
+        inner = shape(c)
+        if inner is None or shape(node) != (1, *inner):
+            continue
+        if isinstance(other, torch.fx.Node):
+            o = shape(other)
+            if o is None or len(o) > len(inner):
+                continue
+        elif not isinstance(other, (int, float)):
+            continue
+        args = list(node.args)
+        args[pos[0]] = c
+        with graph.inserting_before(node):
+            new = graph.call_function(node.target, tuple(args))
+            out = graph.call_function(_UNSQUEEZE, (new, 0))
+        for n in (new, out):
+            n.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        shapes[new], shapes[out] = inner, (1, *inner)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        graph.erase_node(unsq)
+
+
+
+def _hoist_selects(graph: torch.fx.Graph) -> None:
+    """``select(op(x, y), 0, i)`` -> ``op(select(x, 0, i), y)`` for add/sub/mul when only ``x`` has dim 0 (``y``
+    a number or of lower rank) and the select is ``op``'s one use: a rule's ``(z[1:] - a)[0]`` for one tangent
+    reads block 1 once instead of differencing every block."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _SELECT or tuple(node.args[1:2]) != (0,):
+            continue
+        op = node.args[0]
+        if not (isinstance(op, torch.fx.Node) and op.target in _BINARY and not op.kwargs and len(op.args) == 2
+                and len(op.users) == 1):
+            continue
+        x, y = op.args
+        full = _shape(op)
+        if not (isinstance(x, torch.fx.Node) and full is not None and _shape(x) == full):
+            continue
+        if isinstance(y, torch.fx.Node):
+            ys = _shape(y)
+            if ys is None or len(ys) >= len(full):
+                continue
+        elif not isinstance(y, (int, float)):
+            continue
+        with graph.inserting_before(node):
+            part = graph.call_function(_SELECT, (x, 0, node.args[2]))
+            new = graph.call_function(op.target, (part, y))
+        part.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        new.meta.update(part.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        graph.erase_node(op)
+
+
+_CAT, _STACK, _UNSQUEEZE = torch.ops.aten.cat.default, torch.ops.aten.stack.default, torch.ops.aten.unsqueeze.default
+
+
+def _stack_unsqueezed_cats(graph: torch.fx.Graph) -> None:
+    """``cat([unsqueeze(a, 0), unsqueeze(b, 0)], 0)`` -> ``stack([a, b], 0)``: the clone rules' output
+    ``[primal; primal + tangent]`` in one call (``stack`` is that cat, in C++)."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _CAT or node.kwargs:
+            continue
+        parts, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0)
+        if dim != 0 or not all(isinstance(p, torch.fx.Node) and p.target is _UNSQUEEZE and tuple(p.args[1:]) == (0,)
+                               and len(p.users) == 1 for p in parts):
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(_STACK, ([p.args[0] for p in parts], 0))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
 
 
 # ------------------------------------------------------------------------- the non-finite fix, where it is moot

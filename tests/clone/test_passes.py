@@ -1,0 +1,97 @@
+"""Graph passes over captured programs (jvpreg.clone.passes): fewer ops, the same values and gradients."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import jvpreg
+from jvpreg.clone import capture, passes
+
+D = torch.float64
+aten = torch.ops.aten
+
+
+def ops(gm):
+    return collections.Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
+def check(fn, *inputs, finite=()):
+    """Trace ``fn``, run the passes, and compare values and gradients with the untouched function."""
+    gm = make_fx(fn, tracing_mode="real", pre_dispatch=True)(*inputs)
+    before = ops(gm)
+    passes.optimize(gm, finite)
+    args = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    ref_args = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out, ref = gm(*args), fn(*ref_args)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+    if out.is_floating_point():
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, [a for a in args if a.requires_grad], g)
+        ref_grads = torch.autograd.grad(ref, [a for a in ref_args if a.requires_grad], g)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    return before, ops(gm)
+
+
+def rule_like(h, w):
+    """What a smooth rule writes for one tangent: ``[out(a); out(a) + k(z_1 - a) * w]``."""
+    a = h[0]
+    d = h[1:] - a
+    t = torch.tanh(d[0]).unsqueeze(0) * w
+    return torch.cat([a.unsqueeze(0), a + t]).to(h.dtype)
+
+
+def test_rule_output_becomes_one_stack_with_the_block_read_directly():
+    h, w = torch.randn(2, 3, 4, dtype=D), torch.randn(4, dtype=D)
+    before, after = check(rule_like, h, w)
+    assert after[aten.stack.default] == 1 and not after[aten.cat.default] and not after[aten.unsqueeze.default]
+    assert not after[aten.slice.Tensor] and not after[aten.to.dtype]
+    assert sum(after.values()) < sum(before.values())
+
+
+def test_same_rank_operands_are_not_moved():
+    """``b + unsqueeze(c)`` with ``b`` of ``c``'s rank + 1 is not ``unsqueeze(b + c)``: left alone."""
+    def f(b, c):
+        return torch.cat([(2 * c).unsqueeze(0), b + c.unsqueeze(0)])
+
+    before, after = check(f, torch.randn(1, 4, dtype=D), torch.randn(4, dtype=D))
+    assert after[aten.cat.default] == 1
+
+
+def masked(x):
+    d = x[1:] - x[0]
+    return d.masked_fill(torch.isnan(d) & (x[1:] == x[0]), 0)
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_nonfinite_fix_dropped_only_for_finite_inputs(finite):
+    x = torch.randn(2, 3, dtype=D)
+    _, after = check(masked, x, finite=(finite,))
+    assert (after[aten.isnan.default] == 0) == finite
+
+
+def test_inf_constant_keeps_the_fix():
+    def f(x):
+        return masked(x.masked_fill(torch.eye(3, dtype=torch.bool), -float("inf")))
+
+    _, after = check(f, torch.randn(2, 3, 3, dtype=D), finite=(True,))
+    assert after[aten.isnan.default] == 1
+
+
+def test_captured_transformer_block_uses_the_passes():
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True,
+                                       activation="gelu").to(D).eval()
+    x, u = torch.randn(2, 5, 16, dtype=D), torch.randn(2, 5, 16, dtype=D)
+    _, t = jvpreg.jvp(model, (x,), (u,), engine="captured")
+    with sdpa_kernel(SDPBackend.MATH):  # the fused CPU kernel has no forward AD
+        _, ref = torch.func.jvp(model, (x,), (u,))
+    torch.testing.assert_close(t, ref, rtol=1e-10, atol=1e-12)
+    (prog,) = capture.programs(model).values()
+    counted = ops(prog.gm)
+    assert counted[aten.stack.default] > 0 and not counted[aten.isnan.default]
