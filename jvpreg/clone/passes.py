@@ -5,7 +5,7 @@ that computes the same tensors with the same gradients:
 
 * common-subexpression and dead-code elimination (:func:`optimize`);
 * ``op(h, expand(a))`` -> ``op(h, a)`` for pointwise ops (:func:`_drop_broadcast_expands`);
-* reshape chains folded (:func:`_fold_reshapes`), casts to the dtype a tensor has dropped
+* reshape and permute chains folded (:func:`_fold_reshapes`, :func:`_fold_permutes`), casts to the dtype a tensor has dropped
   (:func:`_drop_noop_casts`), ``select(slice(x))`` read from ``x`` (:func:`_select_through_slices`),
   ``op(b, unsqueeze(c, 0))`` as ``unsqueeze(op(b, c), 0)`` (:func:`_sink_unsqueezes`) so that
   ``cat([unsqueeze(a, 0), ...])`` becomes one ``stack`` (:func:`_stack_unsqueezed_cats`);
@@ -59,18 +59,25 @@ def optimize(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool] = ()) -> No
         else:
             node.replace_all_uses_with(prev)
             graph.erase_node(node)
+    _drop_finite_fixes(gm, finite_inputs)
+    _drop_dead(graph)  # the fixes' isnan/eq/and: the next passes want single-use nodes
     _drop_broadcast_expands(graph)
     _fold_reshapes(graph)
+    _fold_permutes(graph)
     _drop_noop_casts(graph)
     _hoist_selects(graph)
     _select_through_slices(graph)
     _sink_unsqueezes(graph)
     _stack_unsqueezed_cats(graph)
-    _drop_finite_fixes(gm, finite_inputs)
-    for node in reversed(list(graph.nodes)):  # dead pure ops only: grad-mode switches and writes stay
+    _drop_dead(graph)
+    gm.recompile()
+
+
+def _drop_dead(graph: torch.fx.Graph) -> None:
+    """Erase unused pure ops (grad-mode switches and writes stay)."""
+    for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and not node.users and _pure(node.target):
             graph.erase_node(node)
-    gm.recompile()
 
 
 _EXPANDS = (torch.ops.aten.expand.default, torch.ops.aten.expand_as.default)
@@ -130,6 +137,28 @@ def _fold_reshapes(graph: torch.fx.Graph) -> None:
 
 
 
+_PERMUTE = torch.ops.aten.permute.default
+
+
+def _fold_permutes(graph: torch.fx.Graph) -> None:
+    """``permute(permute(x, p), q)`` -> ``permute(x, [p[i] for i in q])``, and -> ``x`` for the identity
+    (rules move the block dim and back around attention and normalisations): one view instead of two."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _PERMUTE or node.kwargs:
+            continue
+        src, q = node.args
+        if not (isinstance(src, torch.fx.Node) and src.target is _PERMUTE and not src.kwargs):
+            continue
+        n = len(q)
+        p = [d % n for d in src.args[1]]
+        dims = [p[d % n] for d in q]
+        if dims == list(range(n)) and src.args[0].op != "placeholder":
+            node.replace_all_uses_with(src.args[0])
+            graph.erase_node(node)
+        else:
+            node.args = (src.args[0], dims)
+
+
 _TO_DTYPE = torch.ops.aten.to.dtype
 
 
@@ -166,11 +195,11 @@ def _select_through_slices(graph: torch.fx.Graph) -> None:
         node.args = (src.args[0], dim, start + i)
 
 
-_BINARY = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor)
+_BINARY = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor)
 
 
 def _sink_unsqueezes(graph: torch.fx.Graph) -> None:
-    """``op(b, unsqueeze(c, 0))`` -> ``unsqueeze(op(b, c), 0)`` for add/sub/mul when ``b`` broadcasts to ``c``'s
+    """``op(b, unsqueeze(c, 0))`` -> ``unsqueeze(op(b, c), 0)`` for add/sub/mul/div when ``b`` broadcasts to ``c``'s
     shape: the same values (the leading 1 only broadcasts), one call moved, and chains of such ops end in
     one unsqueeze that :func:`_stack_unsqueezed_cats` folds into the rule's output stack."""
     shapes: Dict[torch.fx.Node, Any] = {}
@@ -211,7 +240,7 @@ def _sink_unsqueezes(graph: torch.fx.Graph) -> None:
 
 
 def _hoist_selects(graph: torch.fx.Graph) -> None:
-    """``select(op(x, y), 0, i)`` -> ``op(select(x, 0, i), y)`` for add/sub/mul when only ``x`` has dim 0 (``y``
+    """``select(op(x, y), 0, i)`` -> ``op(select(x, 0, i), y)`` for add/sub/mul/div when only ``x`` has dim 0 (``y``
     a number or of lower rank) and the select is ``op``'s one use: a rule's ``(z[1:] - a)[0]`` for one tangent
     reads block 1 once instead of differencing every block."""
     for node in list(graph.nodes):

@@ -95,3 +95,13 @@ def test_captured_transformer_block_uses_the_passes():
     (prog,) = capture.programs(model).values()
     counted = ops(prog.gm)
     assert counted[aten.stack.default] > 0 and not counted[aten.isnan.default]
+
+
+def test_permute_chains_fold():
+    def f(x):
+        y = x * 2
+        a, b = y.permute(2, 0, 1).permute(0, 2, 1), y.permute(1, 0, 2).permute(1, 0, 2)  # (4, 3, 2), identity
+        return a.reshape(-1) * b.reshape(-1)
+
+    before, after = check(f, torch.randn(2, 3, 4, dtype=D))
+    assert before[aten.permute.default] == 4 and after[aten.permute.default] == 1
