@@ -24,7 +24,7 @@ The clone subclass stays invisible to the tracer: clone tensors made while captu
 tracked physical tensor (:func:`jvpreg.clone.tensor.track`).
 
 Guards (checked on every call, cheaply): the call's pytree structure and every tensor's shape,
-dtype, device, ``requires_grad``, block count and, on the CPU, whether its primal is finite (the
+dtype, device, ``requires_grad``, block count and, on the CPU, whether its values are finite (the
 program drops the non-finite fix where no infinity can reach it: :mod:`jvpreg.clone.passes`); identity of every parameter and buffer (a
 replaced tensor recaptures; a clone parameter is matched by its metadata); every submodule's
 ``training`` flag and its children (a swapped submodule recaptures); plain tensor attributes of the
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import re
 import types
 import warnings
@@ -221,12 +222,15 @@ def _unsupported(module: nn.Module, rec: _Record) -> str:
 
 
 def _finite(leaf: torch.Tensor) -> bool:
-    """Every entry of ``leaf`` (of its primal block, for a clone) is finite. Checked on the CPU only: on a
-    device it would cost a host synchronisation, so a device tensor counts as possibly non-finite."""
-    t = _phys(leaf)[0] if type(leaf) is CloneTensor else leaf
+    """Every entry of ``leaf`` (every block, for a clone) is finite. Checked on the CPU only: on a device it
+    would cost a host synchronisation, so a device tensor counts as possibly non-finite."""
+    t = _phys(leaf) if type(leaf) is CloneTensor else leaf
     if t.device.type != "cpu":
         return False
-    return not (t.is_floating_point() or t.is_complex()) or bool(torch.isfinite(t).all())
+    # a sum is finite only if every entry is (overflow can only say "non-finite"): 10-40x faster than isfinite().all()
+    if t.is_floating_point():
+        return math.isfinite(t.detach().sum())
+    return not t.is_complex() or math.isfinite(abs(complex(t.detach().sum())))
 
 
 def _leaf_sig(leaf: Any) -> Any:
