@@ -52,17 +52,32 @@ def _relu_no_grad_inplace(x, inplace=True):
 
 
 @register_rule(F.relu, torch.relu, T.relu, inplace=(F.relu_, torch.relu_, T.relu_),
-               no_grad_inplace=_relu_no_grad_inplace)
+               no_grad_inplace=_relu_no_grad_inplace, inplace_safe=True)
 def relu(input, inplace=False):
     """relu(z) = 1[a > 0] * z, as one fused kernel over all blocks (relu's own backward kernel,
     ``threshold_backward(z, a, 0)``: as fast as relu on the 2B-row batch; a mask multiply is 4x slower)."""
-    return torch.ops.aten.threshold_backward(input, input[0].expand_as(input), 0)
+    return torch.ops.aten.threshold_backward(input, _mask_source(input), 0)
 
 
-@register_rule(F.leaky_relu, torch._C._nn.leaky_relu, inplace=(F.leaky_relu_, torch._C._nn.leaky_relu_))
+def _mask_source(input: torch.Tensor) -> torch.Tensor:
+    """The primal block that relu-like kernels read their pattern (``a > 0``) from, broadcast over the blocks.
+
+    Under autograd the kernel keeps it for backward: ``relu(a)`` made without a graph (a new tensor of one
+    block; ``relu(a) > 0`` exactly where ``a > 0``, NaN included, and the kernel has no gradient w.r.t. it)
+    rather than a view of ``a``, which would keep the whole ``(K, ...)`` input alive and, for an in-place
+    op, need a copy of it.
+    """
+    if torch.is_grad_enabled() and input.requires_grad:
+        with torch.no_grad():
+            return torch.relu(input[0]).expand_as(input)
+    return input[0].expand_as(input)
+
+
+@register_rule(F.leaky_relu, torch._C._nn.leaky_relu, inplace=(F.leaky_relu_, torch._C._nn.leaky_relu_),
+               inplace_safe=True)
 def leaky_relu(input, negative_slope=0.01, inplace=False):
     """leaky_relu(z) = (1[a > 0] + negative_slope * 1[a <= 0]) * z (fused, via leaky_relu's backward kernel)."""
-    return torch.ops.aten.leaky_relu_backward(input, input[0].expand_as(input), negative_slope, False)
+    return torch.ops.aten.leaky_relu_backward(input, _mask_source(input), negative_slope, False)
 
 
 @register_rule(F.prelu, torch.prelu)
