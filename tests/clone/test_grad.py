@@ -258,3 +258,30 @@ def test_layer_norm_weight_direction_gradients_match_finite_differences():
 
     inputs = [p.detach().clone().requires_grad_(True) for p in model.parameters()] + [x.requires_grad_(True)]
     assert torch.autograd.gradcheck(penalty_of, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("act", [lambda: nn.ReLU(inplace=True), nn.ReLU, lambda: nn.LeakyReLU(0.1, inplace=True)])
+def test_relu_saves_one_primal_block_beyond_the_2b_forward(act, engine):
+    """The relu-like rules keep ``relu(a)`` (one block) for backward, not a view or copy of the 2B-row input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), act(), nn.Linear(16, 4)).to(D)
+    x, u = torch.randn(5, 8, dtype=D), torch.randn(5, 8, dtype=D)
+    _, t = jvpreg.jvp(model, (x,), (u,), engine=engine)  # (captures)
+    torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1])
+    plain = _saved_bytes(lambda: model(torch.cat([x, x])))
+    clone = _saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
+    assert clone <= plain + 5 * 16 * 8 + 8, (clone, plain)  # + relu(a), + the float64 scale
