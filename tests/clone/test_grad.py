@@ -285,3 +285,18 @@ def test_relu_saves_one_primal_block_beyond_the_2b_forward(act, engine):
     plain = _saved_bytes(lambda: model(torch.cat([x, x])))
     clone = _saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
     assert clone <= plain + 5 * 16 * 8 + 8, (clone, plain)  # + relu(a), + the float64 scale
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_train_batchnorm_keeps_a_primal_copy_not_the_2b_input(engine):
+    """Conv -> train-mode BN -> ReLU -> Conv: BN keeps the primal block and d_j (together the size of the 2B
+    input a plain forward keeps), relu one block: nothing else beyond the 2B forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 4, 3)).to(D).train()
+    x, u = torch.randn(4, 3, 6, 6, dtype=D), torch.randn(4, 3, 6, 6, dtype=D)
+    _, t = jvpreg.jvp(model, (x,), (u,), engine=engine)  # (captures)
+    plain = _saved_bytes(lambda: model(torch.cat([x, x])))
+    clone = _saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
+    block = 4 * 8 * 6 * 6 * 8
+    assert clone <= plain + block + 2 * 8 * 8 + 8, (clone, plain)  # + relu(a), + mean/invstd, + the scale

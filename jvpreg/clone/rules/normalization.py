@@ -106,7 +106,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         tan = out[1:] if is_clone(input) else tile(out_a, k)[1:]
         return stack_blocks(out_a, tan + affine_tangent(xhat, weight, bias, ch))
     # The primal block is the very call a plain forward makes (bit-identical output and running statistics,
-    # updated once); the tangent is batch norm's own input-gradient kernel applied to d_j.
+    # updated once); the tangent is batch norm's own input-gradient kernel applied to d_j. Under autograd both
+    # keep their input for backward: a copy of the primal block, not a view, which would keep the whole
+    # (K, ...) input alive (its tangent blocks are only read for d_j): one block less held per layer.
+    if is_clone(input) and torch.is_grad_enabled() and a.requires_grad:
+        a = a.clone()
     out_a = F.batch_norm(a, running_mean, running_var, w0, b0, True, 0.0 if momentum is None else momentum, eps)
     with torch.no_grad():
         a32 = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a  # the kernel's statistics dtype
