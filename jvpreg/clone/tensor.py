@@ -100,6 +100,14 @@ def primal_block(t: Any) -> Any:
     return t[0] if type(t) is CloneTensor else t
 
 
+def kept_primal(t: torch.Tensor) -> torch.Tensor:
+    """Block 0 of a physical ``(K, ...)`` tensor, for a rule whose ops keep it for backward: a copy under
+    autograd (a view would keep every block alive until backward, where the tangent blocks are read only
+    once, for ``d_j``), the view otherwise. One block held per rule instead of ``K``."""
+    a = t[0]
+    return a.clone() if torch.is_grad_enabled() and a.requires_grad else a
+
+
 def varies(t: Any) -> bool:
     """``t`` is a clone that carries tangents (not a constant, not state)."""
     return type(t) is CloneTensor and not t._jvp_state

@@ -300,3 +300,21 @@ def test_train_batchnorm_keeps_a_primal_copy_not_the_2b_input(engine):
     clone = _saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
     block = 4 * 8 * 6 * 6 * 8
     assert clone <= plain + block + 2 * 8 * 8 + 8, (clone, plain)  # + relu(a), + mean/invstd, + the scale
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("layer, extra_blocks", [(nn.GELU, 0), (nn.Tanh, 2), (lambda: nn.LayerNorm(16), 1)])
+def test_smooth_and_norm_rules_keep_a_primal_copy_not_the_2b_input(layer, extra_blocks, engine):
+    """A smooth op keeps ``a`` and ``d_j`` (the size of the 2B input a plain forward keeps); LayerNorm also keeps
+    its unscaled tangent for the weight's gradient: one block; tanh keeps tanh(a) and d_j where a plain forward
+    keeps nothing but the output: two. (Eager mode also keeps the non-finite fix's bool mask, an eighth of a
+    float64 block.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), layer(), nn.Linear(16, 4)).to(D)
+    x, u = torch.randn(5, 8, dtype=D), torch.randn(5, 8, dtype=D)
+    _, t = jvpreg.jvp(model, (x,), (u,), engine=engine)  # (captures)
+    torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1])
+    plain = _saved_bytes(lambda: model(torch.cat([x, x])))
+    clone = _saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
+    block = 5 * 16 * 8
+    assert clone <= plain + extra_blocks * block + block // 8 + 16 * 8 + 8, (clone, plain)

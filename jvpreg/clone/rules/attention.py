@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..dispatch import without_torch_function_guard
 from ..registry import register_handler, register_rule
-from ..tensor import delta_blocks, each_block, is_clone, primal_block, stack_blocks, tile
+from ..tensor import delta_blocks, each_block, is_clone, kept_primal, primal_block, stack_blocks, tile
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -32,7 +32,8 @@ def _repeat_kv(t, n_rep):
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """SDPA linearised at the primal block (formula in the module docstring)."""
-    q, k, v, m = _primal(query), _primal(key), _primal(value), _primal(attn_mask)
+    q, k, v = (kept_primal(t) if is_clone(t) else t for t in (query, key, value))
+    m = _primal(attn_mask)
     dq, dk, dv, dm = _delta(query), _delta(key), _delta(value), _delta(attn_mask)
     kk = next(t.shape[0] for t in (query, key, value, attn_mask) if is_clone(t))
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]

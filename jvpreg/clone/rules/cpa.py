@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
 from ..structural import align
-from ..tensor import block_delta, each_block, is_clone, stack_blocks
+from ..tensor import block_delta, each_block, is_clone, kept_primal, stack_blocks
 
 T = torch.Tensor
 
@@ -187,11 +187,11 @@ def hardsigmoid(input, inplace=False):
     return stack_blocks(out_a, out_a + each_block(lambda b: torch.ops.aten.hardtanh_backward(b, a, -3.0, 3.0), d) / 6)
 
 
-@register_rule(F.hardswish, torch._C._nn.hardswish, inplace=(torch._C._nn.hardswish_,))
+@register_rule(F.hardswish, torch._C._nn.hardswish, inplace=(torch._C._nn.hardswish_,), inplace_safe=True)
 def hardswish(input, inplace=False):
     """hardswish(z) ~ out(a) + h'(a) (z - a), h'(a) = 0 (a <= -3) | (2a + 3)/6 | 1 (a >= 3): hardswish's own
     backward kernel, one block at a time."""
-    a = input[0]
+    a = kept_primal(input)
     out_a = F.hardswish(a)
     tan = each_block(lambda b: torch.ops.aten.hardswish_backward(b, a), block_delta(input[1:], a))
     return stack_blocks(out_a, out_a + tan)

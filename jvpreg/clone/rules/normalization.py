@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import register_rule
-from ..tensor import block_delta, delta_blocks, each_block, is_clone, primal_block, stack_blocks, tile, varies
+from ..tensor import (block_delta, delta_blocks, each_block, is_clone, kept_primal, primal_block, stack_blocks,
+                      tile, varies)
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -106,11 +107,10 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         tan = out[1:] if is_clone(input) else tile(out_a, k)[1:]
         return stack_blocks(out_a, tan + affine_tangent(xhat, weight, bias, ch))
     # The primal block is the very call a plain forward makes (bit-identical output and running statistics,
-    # updated once); the tangent is batch norm's own input-gradient kernel applied to d_j. Under autograd both
-    # keep their input for backward: a copy of the primal block, not a view, which would keep the whole
-    # (K, ...) input alive (its tangent blocks are only read for d_j): one block less held per layer.
-    if is_clone(input) and torch.is_grad_enabled() and a.requires_grad:
-        a = a.clone()
+    # updated once); the tangent is batch norm's own input-gradient kernel applied to d_j. Both keep their
+    # input for backward: a copy of the primal block under autograd (kept_primal).
+    if is_clone(input):
+        a = kept_primal(input)
     out_a = F.batch_norm(a, running_mean, running_var, w0, b0, True, 0.0 if momentum is None else momentum, eps)
     with torch.no_grad():
         a32 = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a  # the kernel's statistics dtype
@@ -174,7 +174,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
     """LayerNorm over the trailing ``normalized_shape`` dims, statistics of the primal block; the input tangent
     ``rstd * (d - mean(d) - xhat * mean(xhat * d))`` is ``native_layer_norm_backward`` applied to ``d_j``."""
     input = _batch_input(input, weight, bias)
-    a = input[0]
+    a = kept_primal(input)
     w0, b0 = _primal(weight), _primal(bias)
     if torch.is_autocast_enabled(a.device.type):  # autocast's layer_norm (float32) for the primal, as a plain forward
         out_a = F.layer_norm(a, normalized_shape, w0, b0, eps)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import maybe, register_rule
-from ..tensor import block_delta, each_block, is_clone, neg_dim, stack_blocks
+from ..tensor import block_delta, each_block, is_clone, kept_primal, neg_dim, stack_blocks
 
 T = torch.Tensor
 aten = torch.ops.aten
@@ -34,7 +34,7 @@ def def_smooth(funcs, inplace=(), *, primal: Callable, doc: str, slope: Callable
     """
 
     def rule(input, *args, inplace=False, **kwargs):
-        a = input[0]
+        a = kept_primal(input)
         out_a = primal(a, *args, **kwargs)
         d = block_delta(input[1:], a)
         if kernel is not None:
@@ -45,7 +45,7 @@ def def_smooth(funcs, inplace=(), *, primal: Callable, doc: str, slope: Callable
 
     rule.__doc__ = doc
     rule.__name__ = rule.__qualname__ = doc.split("'")[0] if "'" in doc else doc.split("(")[0]
-    return register_rule(*funcs, inplace=inplace)(rule)
+    return register_rule(*funcs, inplace=inplace, inplace_safe=True)(rule)  # saves no view of its input
 
 
 _sig = torch.sigmoid
