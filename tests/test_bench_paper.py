@@ -243,4 +243,14 @@ def test_train_benchmark_writes_time_and_memory_ratios(tmp_path):
                        "--out", str(out)]) == 0
     rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["results"]}
     assert rows["plain"]["vs_plain"] == 1.0 and rows["clone"]["vs_plain"] > 0
-    assert out.with_suffix(".md").exists()
+    # the clone step keeps the 2B-row batch's activations: more than the plain step, and deterministic
+    assert rows["clone"]["saved_vs_plain"] > 1.0
+    assert train.saved_for_backward(train.Step("plain", *_mlp_batch(train))) == rows["plain"]["saved_bytes"]
+    assert "saved vs plain" in out.with_suffix(".md").read_text()
+
+
+def _mlp_batch(train):
+    torch.manual_seed(0)
+    model, shape = train.build("mlp")
+    x = torch.randn(8, *shape)
+    return model, x, torch.randint(0, 10, (8,)), torch.randn_like(x)

@@ -172,6 +172,27 @@ def _proc_status_kib(field: str) -> int:
     raise OSError(f"no {field} in /proc/self/status")
 
 
+def saved_for_backward(step: "Step") -> float:
+    """Bytes of the distinct storages autograd saves for backward in one step's loss (parameters left out).
+
+    Deterministic, unlike the RSS peak: the activations a step holds at the end of its forward, which is
+    what the clone rules must keep to the 2B forward's (``tests/clone/test_grad.py`` checks them layer by
+    layer). Counted with ``torch.autograd.graph.saved_tensors_hooks``; views count their whole storage.
+    """
+    seen: Dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in step.model.parameters()}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step.loss(step.model, step.shared, step.random_penalty)
+    return float(sum(seen.values()))
+
+
 def peak_memory(step: "Step", repeats: int = 5) -> Optional[float]:
     """Peak resident memory (bytes) one step adds above what the process holds before it (Linux), median of
     ``repeats`` steps.
@@ -254,6 +275,7 @@ def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[st
     for row in rows:  # memory after timing: each step's own peak
         if row["status"] == "ok":
             row["peak_bytes"] = peak_memory(steps[row["method"]])
+            row["saved_bytes"] = saved_for_backward(steps[row["method"]])
     if profile:
         for row in rows:
             if row["status"] == "ok":
@@ -275,6 +297,8 @@ def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[st
             row["cpu_vs_plain"] = row["cpu_median_s"] / plain["cpu_median_s"]
             if row.get("peak_bytes") and plain.get("peak_bytes"):
                 row["memory_vs_plain"] = row["peak_bytes"] / plain["peak_bytes"]
+            if row.get("saved_bytes") and plain.get("saved_bytes"):
+                row["saved_vs_plain"] = row["saved_bytes"] / plain["saved_bytes"]
         if clone:
             row["vs_clone"] = row["median_s"] / clone["median_s"]
             row["cpu_vs_clone"] = row["cpu_median_s"] / clone["cpu_median_s"]
@@ -332,6 +356,9 @@ def targets(rows: List[dict]) -> List[dict]:
         if clone.get("memory_vs_plain"):
             out.append({"model": model, "target": "clone peak memory <= 2.1x plain", "value": clone["memory_vs_plain"],
                         "met": clone["memory_vs_plain"] <= 2.1})
+        if clone.get("saved_vs_plain"):
+            out.append({"model": model, "target": "clone saved-for-backward bytes <= 2.1x plain",
+                        "value": clone["saved_vs_plain"], "met": clone["saved_vs_plain"] <= 2.1})
         if "double_backprop" in mine:
             v = mine["double_backprop"]["vs_clone"]
             out.append({"model": model, "target": "double backprop >= 1.5x clone step", "value": v, "met": v >= 1.5})
@@ -355,10 +382,12 @@ def markdown(result: dict) -> str:
              f"torch {result['machine']['torch']} ({result['machine']['torch_threads']} threads); load average "
              f"at start {result['load_average_start']}, at end {result['load_average_end']} (shared machine).", "",
              "Wall-clock medians are what the targets use; process CPU time (all threads) is shown too, as it "
-             "is less sensitive to other jobs on a shared machine.", "",
+             "is less sensitive to other jobs on a shared machine. Peak memory is the RSS high-water mark a step "
+             "adds (median of 5 steps; it moves 10-30% between runs); saved is what autograd keeps for backward "
+             "(distinct storages, parameters left out; deterministic).", "",
              "| model | method | median step (ms) | vs plain | vs clone | CPU time (ms) | CPU vs plain | "
-             "CPU vs clone | peak memory (MiB) | memory vs plain | status |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "CPU vs clone | peak memory (MiB) | memory vs plain | saved (MiB) | saved vs plain | status |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     nan = float("nan")
     for r in result["results"]:
         if r["status"] == "ok":
@@ -368,9 +397,10 @@ def markdown(result: dict) -> str:
                          f"{r.get('vs_plain', nan):.2f}x | {r.get('vs_clone', nan):.2f}x | "
                          f"{r['cpu_median_s'] * 1e3:.1f} | {r.get('cpu_vs_plain', nan):.2f}x | "
                          f"{r.get('cpu_vs_clone', nan):.2f}x | {(r.get('peak_bytes') or nan) / 2**20:.1f} | "
-                         f"{r.get('memory_vs_plain', nan):.2f}x | {status} |")
+                         f"{r.get('memory_vs_plain', nan):.2f}x | {(r.get('saved_bytes') or nan) / 2**20:.1f} | "
+                         f"{r.get('saved_vs_plain', nan):.2f}x | {status} |")
         else:
-            lines.append(f"| {r['model']} (B={r['batch']}) | {r['method']} | fails | | | | | | | | `{r['error']}` |")
+            lines.append(f"| {r['model']} (B={r['batch']}) | {r['method']} | fails | | | | | | | | | | `{r['error']}` |")
     lines += ["", "Targets:", ""]
     for t in result["targets"]:
         lines.append(f"- {t['model']}: {t['target']}: {t['value']:.2f}x — {'met' if t['met'] else 'MISSED'}")
