@@ -45,7 +45,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -179,13 +179,16 @@ def saved_for_backward(step: "Step") -> float:
     what the clone rules must keep to the 2B forward's (``tests/clone/test_grad.py`` checks them layer by
     layer). Counted with ``torch.autograd.graph.saved_tensors_hooks``; views count their whole storage.
     """
-    seen: Dict[int, int] = {}
+    seen: Dict[Any, int] = {}
     params = {p.untyped_storage().data_ptr() for p in step.model.parameters()}
 
     def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        try:
+            key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        except RuntimeError:  # a wrapper with no storage of its own (forward AD, functorch): its own size
+            key, size = ("tensor", id(t)), t.numel() * t.element_size()
+        if key not in params:
+            seen[key] = size
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
