@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import operator
 import re
 import types
 import warnings
@@ -165,7 +166,11 @@ class _Record:
         return cls(mods, [tuple(d.values()) for d in dicts], slots, child_dicts=dicts, hooks=_foreign_hooks(module, mods))
 
     def valid(self) -> bool:
-        return [tuple(d.values()) for d in self.child_dicts] == self.children
+        return list(map(tuple, map(dict.values, self.child_dicts))) == self.children
+
+    def slot_values(self) -> List[Any]:
+        """The tensor (or ``None``) in every parameter and buffer slot now."""
+        return list(map(dict.get, *zip(*self.slots))) if self.slots else []
 
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
@@ -259,6 +264,9 @@ def _autocast_state() -> Tuple[Any, ...]:
     return tuple(out)
 
 
+_TRAINING = operator.attrgetter("training")
+
+
 def _key(rec: _Record, call_id: int, in_spec: Any, leaves: List[Any], slot_values: List[Any]) -> Tuple[Any, ...]:
     from .dispatch import _FALLBACK
 
@@ -267,7 +275,7 @@ def _key(rec: _Record, call_id: int, in_spec: Any, leaves: List[Any], slot_value
     else:
         slot_sig = tuple(map(id, slot_values))
     return (call_id, in_spec, tuple(map(_leaf_sig, leaves)), slot_sig,
-            tuple([m.training for m in rec.modules]), torch.is_grad_enabled(), _autocast_state(),
+            tuple(map(_TRAINING, rec.modules)), torch.is_grad_enabled(), _autocast_state(),
             _FALLBACK["mode"])
 
 
@@ -510,7 +518,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
         leaves, in_spec = list(args), len(args)  # the usual call f(x1, ..., xn): no pytree walk
     else:
         leaves, in_spec = tree_flatten((args, kwargs))
-    slot_values = [store.get(name) for store, name in rec.slots]
+    slot_values = rec.slot_values()
     key = _key(rec, id(getattr(fn, "__func__", fn)), in_spec, leaves, slot_values)
     prog = rec.programs.get(key)
     if prog is not None and prog.attrs and not all(d.get(n) is v for d, n, v in prog.attrs):
