@@ -403,7 +403,8 @@ def markdown(result: dict) -> str:
                          f"{r.get('memory_vs_plain', nan):.2f}x | {(r.get('saved_bytes') or nan) / 2**20:.1f} | "
                          f"{r.get('saved_vs_plain', nan):.2f}x | {status} |")
         else:
-            lines.append(f"| {r['model']} (B={r['batch']}) | {r['method']} | fails | | | | | | | | | | `{r['error']}` |")
+            lines.append(f"| {r['model']} (B={r['batch']}) | {r['method']} | fails |" + " |" * 9
+                         + f" `{r['error']}` |")
     lines += ["", "Targets:", ""]
     for t in result["targets"]:
         lines.append(f"- {t['model']}: {t['target']}: {t['value']:.2f}x — {'met' if t['met'] else 'MISSED'}")

@@ -23,13 +23,14 @@ Python, and clone tensors report their primal's shape, which its fake-tensor inp
 The clone subclass stays invisible to the tracer: clone tensors made while capturing carry their
 tracked physical tensor (:func:`jvpreg.clone.tensor.track`).
 
-Guards (checked on every call, cheaply): the call's pytree structure and every tensor's shape,
-dtype, device, ``requires_grad``, block count and, on the CPU, whether its values are finite (the
-program drops the non-finite fix where no infinity can reach it: :mod:`jvpreg.clone.passes`); identity of every parameter and buffer (a
-replaced tensor recaptures; a clone parameter is matched by its metadata); every submodule's
-``training`` flag and its children (a swapped submodule recaptures); plain tensor attributes of the
-modules that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode,
-autocast state and the fallback mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
+Guards (checked on every call, cheaply): the call's pytree structure and every tensor's shape, dtype,
+device, ``requires_grad``, block count and, on the CPU, whether its values are finite (the program drops
+the non-finite fix where no infinity can reach it: :mod:`jvpreg.clone.passes`); identity of every
+parameter and buffer (a replaced tensor recaptures; a clone parameter is matched by its metadata); every
+submodule's ``training`` flag and its children (a swapped submodule recaptures); plain tensor attributes
+of the modules that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad
+mode, autocast state and the fallback mode. A changed guard captures a new program (up to
+:data:`MAX_PROGRAMS` per module).
 
 Limits (each falls back to eager clone mode with a warning, never a wrong answer):
 * Python control flow on tensor values; custom ``autograd.Function`` s on plain tensors under
@@ -38,6 +39,9 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
   and DTensor parameters (their collectives belong to FSDP's hooks).
 * Python attributes of submodules that the forward reads (dropout ``p``, ``eps``, flags) are baked
   into the program: after changing one, call :func:`reset` (or use ``engine="eager"``).
+* Parameters and buffers are checked for infinities once, at capture: one that turns non-finite later
+  (a diverged run) gives NaN tangents where the non-finite fix would give 0 (loud, never a wrong finite
+  value); :func:`reset` recaptures.
 """
 from __future__ import annotations
 

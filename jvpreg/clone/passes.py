@@ -4,14 +4,16 @@ Every pass rewrites a ``torch.fx`` graph of aten ops recorded from the eager clo
 that computes the same tensors with the same gradients:
 
 * common-subexpression and dead-code elimination (:func:`optimize`);
-* ``op(h, expand(a))`` -> ``op(h, a)`` for pointwise ops (:func:`_drop_broadcast_expands`);
-* reshape and permute chains folded (:func:`_fold_reshapes`, :func:`_fold_permutes`), casts to the dtype a tensor has dropped
-  (:func:`_drop_noop_casts`), ``select(slice(x))`` read from ``x`` (:func:`_select_through_slices`),
-  ``op(b, unsqueeze(c, 0))`` as ``unsqueeze(op(b, c), 0)`` (:func:`_sink_unsqueezes`) so that
-  ``cat([unsqueeze(a, 0), ...])`` becomes one ``stack`` (:func:`_stack_unsqueezed_cats`);
 * the non-finite fix of :func:`jvpreg.clone.tensor.block_delta` dropped where the primal block provably
   holds no infinity (:func:`_drop_finite_fixes`): ``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` is
-  ``z - a`` when ``a`` is finite.
+  ``z - a`` when ``a`` is finite;
+* ``op(h, expand(a))`` -> ``op(h, a)`` for pointwise ops (:func:`_drop_broadcast_expands`);
+* reshape and permute chains folded (:func:`_fold_reshapes`, :func:`_fold_permutes`); casts to the dtype a
+  tensor already has dropped (:func:`_drop_noop_casts`);
+* block reads moved to the block: ``select(op(x, y), 0, i)`` -> ``op(select(x, 0, i), y)``
+  (:func:`_hoist_selects`), ``select(slice(x))`` -> ``select(x)`` (:func:`_select_through_slices`);
+* each rule's output ``[a; a + t]`` as one ``stack``: ``op(b, unsqueeze(c, 0))`` -> ``unsqueeze(op(b, c), 0)``
+  (:func:`_sink_unsqueezes`), then ``cat([unsqueeze(a, 0), ...])`` -> ``stack`` (:func:`_stack_unsqueezed_cats`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any, Dict, Sequence
 import torch
 
 __all__ = ["optimize"]
+
 
 def _pure(target: Any) -> bool:
     """An op whose result depends only on its arguments (no mutation, no randomness)."""
