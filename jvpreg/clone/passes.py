@@ -263,7 +263,7 @@ def _hoist_selects(graph: torch.fx.Graph) -> None:
                 continue
         elif not isinstance(y, (int, float)):
             continue
-        with graph.inserting_before(node):
+        with graph.inserting_before(op):  # where op read x: an in-place write to x may come before the select
             part = graph.call_function(_SELECT, (x, 0, node.args[2]))
             new = graph.call_function(op.target, (part, y))
         part.meta.update({k: v for k, v in node.meta.items() if k != "val"})
@@ -403,7 +403,14 @@ def _nonfinite_fix(node: torch.fx.Node):
         return None
     if not (isinstance(eq, torch.fx.Node) and eq.target is _EQ and tuple(eq.args) == tuple(d.args)):
         return None
+    if set(d.users) != {isnan, node} or any(_writes(u) for u in node.users):
+        return None  # ``d`` would alias what the fill returns: an in-place write to it would reach d's readers
     return d, d.args[1]
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """An aten op that may write into its arguments (the graph's other calls are getitem and grad-mode switches)."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
 def _drop_finite_fixes(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool]) -> None:

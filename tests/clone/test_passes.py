@@ -105,3 +105,26 @@ def test_permute_chains_fold():
 
     before, after = check(f, torch.randn(2, 3, 4, dtype=D))
     assert before[aten.permute.default] == 4 and after[aten.permute.default] == 1
+
+
+def test_block_reads_keep_their_place_before_an_in_place_write():
+    """``select(h + y)`` read after ``h`` is written in place: the hoisted read must still see the old ``h``."""
+    def f(x, y):
+        h = x * 1
+        t = h + y
+        h.mul_(2)
+        return t.select(0, 0) * 3
+
+    before, after = check(f, torch.randn(2, 3, dtype=D), torch.randn(3, dtype=D))
+    assert after[aten.select.int] == 1
+
+
+def test_fix_kept_when_its_output_is_written_in_place_and_the_difference_read_elsewhere():
+    """Dropping the fix would make the in-place write land in ``z - a`` itself, which another op reads."""
+    def f(x):
+        d = x[1:] - x[0]
+        fixed = d.masked_fill(torch.isnan(d) & (x[1:] == x[0]), 0)
+        fixed.mul_(2)
+        return d * fixed
+
+    check(f, torch.randn(3, 4, dtype=D), finite=(True,))
