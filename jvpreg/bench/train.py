@@ -45,7 +45,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -55,7 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..callbacks.shared import SharedForward
 from ..losses import JacobianFrobenius
-from . import report
+from . import memory, report
 from .timing import machine_description, measure
 
 LAM = 0.01
@@ -173,27 +173,14 @@ def _proc_status_kib(field: str) -> int:
 
 
 def saved_for_backward(step: "Step") -> float:
-    """Bytes of the distinct storages autograd saves for backward in one step's loss (parameters left out).
+    """Bytes autograd keeps for backward in one step's loss, parameters left out (:func:`memory.saved_bytes`).
 
     Deterministic, unlike the RSS peak: the activations a step holds at the end of its forward, which is
     what the clone rules must keep to the 2B forward's (``tests/clone/test_grad.py`` checks them layer by
-    layer). Counted with ``torch.autograd.graph.saved_tensors_hooks``; views count their whole storage.
+    layer).
     """
-    seen: Dict[Any, int] = {}
-    params = {p.untyped_storage().data_ptr() for p in step.model.parameters()}
-
-    def pack(t):
-        try:
-            key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        except RuntimeError:  # a wrapper with no storage of its own (forward AD, functorch): its own size
-            key, size = ("tensor", id(t)), t.numel() * t.element_size()
-        if key not in params:
-            seen[key] = size
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step.loss(step.model, step.shared, step.random_penalty)
-    return float(sum(seen.values()))
+    return memory.saved_bytes(lambda: step.loss(step.model, step.shared, step.random_penalty),
+                              exclude=step.model.parameters())
 
 
 def peak_memory(step: "Step", repeats: int = 5) -> Optional[float]:

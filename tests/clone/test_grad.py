@@ -22,6 +22,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
+from jvpreg.bench.memory import saved_bytes
 from jvpreg.clone import fallback_mode
 
 D = torch.float64
@@ -260,19 +261,6 @@ def test_layer_norm_weight_direction_gradients_match_finite_differences():
     assert torch.autograd.gradcheck(penalty_of, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs."""
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
 @pytest.mark.parametrize("engine", ["eager", "captured"])
 def test_train_batchnorm_keeps_a_primal_copy_not_the_2b_input(engine):
     """Conv -> train-mode BN -> ReLU -> Conv: BN keeps the primal block and d_j (together the size of the 2B
@@ -282,8 +270,8 @@ def test_train_batchnorm_keeps_a_primal_copy_not_the_2b_input(engine):
                           nn.Conv2d(8, 4, 3)).to(D).train()
     x, u = torch.randn(4, 3, 6, 6, dtype=D), torch.randn(4, 3, 6, 6, dtype=D)
     _, t = jvpreg.jvp(model, (x,), (u,), engine=engine)  # (captures)
-    plain = _saved_bytes(lambda: model(torch.cat([x, x])))
-    clone = _saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
+    plain = saved_bytes(lambda: model(torch.cat([x, x])))
+    clone = saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
     block = 4 * 8 * 6 * 6 * 8
     assert clone <= plain + block + 2 * 8 * 8 + 8, (clone, plain)  # + relu(a), + mean/invstd, + the scale
 
@@ -303,7 +291,7 @@ def test_rules_keep_no_more_than_their_extra_blocks_for_backward(layer, extra_bl
     x, u = torch.randn(5, 8, dtype=D), torch.randn(5, 8, dtype=D)
     _, t = jvpreg.jvp(model, (x,), (u,), engine=engine)  # (captures)
     torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1])
-    plain = _saved_bytes(lambda: model(torch.cat([x, x])))
-    clone = _saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
+    plain = saved_bytes(lambda: model(torch.cat([x, x])))
+    clone = saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
     block = 5 * 16 * 8
     assert clone <= plain + extra_blocks * block + block // 8 + 16 * 8 + 8, (clone, plain)
