@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import capture, functions
 from .dispatch import check_not_custom_output
-from .tensor import block_delta, is_clone, wrap
+from .tensor import block_delta, capturing, is_clone, wrap
 
 _R_DEFAULT = 2.0 ** 20
 _R_HALF = 2.0 ** 2
@@ -44,17 +44,26 @@ def _ratio(dtype: torch.dtype, device: torch.device) -> float:
 
 def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) -> torch.Tensor:
     """Per-tangent power-of-two scales ``s_j`` (shape ``(k,)``) for ``(primal, tangents (k, ...))`` pairs."""
+    return _choose_scales(pairs, k, ratio)[0]
+
+
+def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) -> tuple:
+    """:func:`choose_scales`, and ``True`` if every entry of the pairs is finite (``None``: not known, on a
+    device; a float64 norm is finite only if every entry is, so on the CPU this comes free)."""
     ref = pairs[0][0]
     ratio = _ratio(ref.dtype, ref.device) if ratio is None else ratio
     with torch.no_grad():  # rms(x) / rms(u_j) = ||x|| / ||u_j||: float64 norms, non-finite entries (masks) left out
         if ref.device.type == "cpu":  # a handful of scalars: Python arithmetic, no kernel per step
-            x2, u2 = 0.0, [0.0] * k
+            x2, u2, finite = 0.0, [0.0] * k, True
             for x, u in pairs:
-                x2 += _finite_norms(x.detach().reshape(1, -1))[0] ** 2
-                u2 = [a + b ** 2 for a, b in zip(u2, _finite_norms(u.detach().reshape(k, -1)))]
+                nx, fx = _finite_norms(x.detach().reshape(1, -1))
+                nu, fu = _finite_norms(u.detach().reshape(k, -1))
+                x2 += nx[0] ** 2
+                u2 = [a + b ** 2 for a, b in zip(u2, nu)]
+                finite = finite and fx and fu
             nx = math.sqrt(x2) or 1.0
-            return torch.tensor([2.0 ** round(math.log2(ratio * nx / math.sqrt(n))) if n > 0 else 1.0 for n in u2],
-                                dtype=torch.float64)
+            s = [2.0 ** round(math.log2(ratio * nx / math.sqrt(n))) if n > 0 else 1.0 for n in u2]
+            return torch.tensor(s, dtype=torch.float64), finite
         x2, u2 = 0.0, 0.0  # on an accelerator: the same formula in kernels, no host synchronisation
         for x, u in pairs:
             xf = torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0)
@@ -64,26 +73,31 @@ def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) ->
         nx, nu = torch.as_tensor(x2, dtype=torch.float64, device=ref.device).sqrt(), u2.sqrt()
         nx = torch.where(nx > 0, nx, 1.0)
         s = torch.exp2(torch.round(torch.log2(ratio * nx / torch.where(nu > 0, nu, 1.0))))
-        return torch.where(nu > 0, s, 1.0)
+        return torch.where(nu > 0, s, 1.0), None
 
 
-def _finite_norms(rows: torch.Tensor) -> list:
-    """float64 norms of the rows of a CPU tensor, counting finite entries only."""
+def _finite_norms(rows: torch.Tensor) -> tuple:
+    """float64 norms of the rows of a CPU tensor, counting finite entries only, and whether every entry was finite."""
     norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).tolist()
     if all(map(math.isfinite, norms)):
-        return norms
+        return norms, True
     rows = torch.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
-    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).tolist()
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).tolist(), False
 
 
 def scales(pairs: Sequence[tuple], k: int, scale: Any = "auto") -> torch.Tensor:
     """The ``(k,)`` float64 scales of one clone forward: :func:`choose_scales` for ``"auto"``, else ``scale``
     for every tangent (a positive finite number). ``pairs``: ``(value, tangents (k, *value.shape))``."""
+    return _scales(pairs, k, scale)[0]
+
+
+def _scales(pairs: Sequence[tuple], k: int, scale: Any = "auto") -> tuple:
+    """:func:`scales` and, for ``"auto"`` on the CPU, whether the pairs are all finite (else ``None``)."""
     if scale == "auto":
-        return choose_scales(pairs, k)
+        return _choose_scales(pairs, k)
     if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scale: expected 'auto' or a positive finite number, got {scale!r}")
-    return torch.full((k,), float(scale), dtype=torch.float64, device=pairs[0][0].device)
+    return torch.full((k,), float(scale), dtype=torch.float64, device=pairs[0][0].device), None
 
 
 def clone_of(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, *, state: bool = False) -> torch.Tensor:
@@ -121,7 +135,8 @@ def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
             if y0.is_floating_point() or y0.is_complex():
                 sv = scales.to(p.dtype).reshape(-1, *([1] * y0.dim()))
                 d = p[1:] - y0  # block_delta's non-finite fix changes nothing where no difference is NaN
-                if d.device.type != "cpu" or bool(torch.isnan(d).any()):  # (checked on the host for free)
+                # (checked on the host for free; a captured program keeps the fix where an infinity can reach it)
+                if d.device.type != "cpu" or capturing() or bool(torch.isnan(d).any()):
                     d = block_delta(p[1:], y0)
                 t = d / sv
             else:
@@ -234,13 +249,28 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
     if len(ks) != 1:
         raise ValueError(f"{where}: every tangent must carry the same number of directions k, got {sorted(ks)}.")
     tans = tuple(t if batched_tangents else t.unsqueeze(0) for t in tangents)
-    clones, s = pack(tuple(primals), tans, scale=scale)
-    result = call(func, clones, engine=engine)
+    s, finite = _scales(list(zip(primals, tans)), tans[0].shape[0], scale)
+    target = capture.unwrap_compiled(func)
+    if engine != "eager" and isinstance(target, nn.Module):
+        # pack, forward and unpack recorded as one program: x, u, s in; output, tangent (and aux) out
+        n = len(primals)
+        return capture.call(target, (*primals, *tans, s), engine=engine, key=("jvp", n, batched_tangents, has_aux),
+                            finite=True if finite else None,
+                            fn=lambda *flat: _jvp_body(target, flat[:n], flat[n:2 * n], flat[-1], has_aux,
+                                                       batched_tangents, where))
+    with functions.active(), capture.uncompiled(target):
+        return _jvp_body(target, primals, tans, s, has_aux, batched_tangents, where)
+
+
+def _jvp_body(func: Callable, primals: Sequence[torch.Tensor], tans: Sequence[torch.Tensor], s: torch.Tensor,
+              has_aux: bool, batched: bool, where: str) -> tuple:
+    """Pack, run ``func`` on the clone batches, unpack: ``(output, jvp_out)`` or ``(output, jvp_out, aux)``."""
+    result = func(*(clone_of(x, u, s) for x, u in zip(primals, tans)))
     if has_aux:
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(f"{where}: has_aux=True expects func to return a (output, aux) tuple.")
         result, aux = result
-    out, tan = unpack(result, s, batched=batched_tangents)
+    out, tan = unpack(result, s, batched=batched)
     return (out, tan, primal_of(aux)) if has_aux else (out, tan)
 
 

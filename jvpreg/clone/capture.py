@@ -8,7 +8,9 @@ tensor subclass and no rule lookup left. Later calls with the same signature rep
 replay is ordinary eager PyTorch, so autograd through it gives exact gradients, BatchNorm's
 in-place running-statistics updates happen on the live buffers, and random ops (one dropout mask
 for all blocks) draw fresh numbers on every call. ``engine="compiled"`` hands the same program to
-``torch.compile`` so Inductor fuses the clone rules with the model's ops.
+``torch.compile`` so Inductor fuses the clone rules with the model's ops. :func:`jvpreg.jvp` records its
+whole call as one program: ``(x, u, s) -> (f(x), J u)``, the packing ``[x; x + s u]`` and the unpacking
+``(y_1 - y_0) / s`` included, so a replay runs no Python between them.
 
 Choice of tracer. ``make_fx(pre_dispatch=True, tracing_mode="real")``:
 
@@ -63,6 +65,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import functions
 from . import tensor as _tensor
+from .dispatch import _FALLBACK
 from .passes import optimize
 from .tensor import CloneTensor
 
@@ -242,14 +245,16 @@ def _finite(leaf: torch.Tensor) -> bool:
     return not t.is_complex() or math.isfinite(abs(complex(t.detach().sum())))
 
 
-def _leaf_sig(leaf: Any) -> Any:
+def _leaf_sig(leaf: Any, finite: Optional[bool] = None) -> Any:
+    """Guard signature of one call leaf (``finite``: already known for a tensor leaf, else checked)."""
     t = type(leaf)
     if t is CloneTensor:
         with DisableTorchFunctionSubclass():
             return ("clone", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad, bool(leaf._jvp_state),
-                    _finite(leaf))
+                    _finite(leaf) if finite is None else finite)
     if isinstance(leaf, torch.Tensor):
-        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad, _finite(leaf))
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad,
+                _finite(leaf) if finite is None else finite)
     try:
         hash(leaf)
     except TypeError:
@@ -271,14 +276,14 @@ def _autocast_state() -> Tuple[Any, ...]:
 _TRAINING = operator.attrgetter("training")
 
 
-def _key(rec: _Record, call_id: int, in_spec: Any, leaves: List[Any], slot_values: List[Any]) -> Tuple[Any, ...]:
-    from .dispatch import _FALLBACK
-
+def _key(rec: _Record, call_id: Any, in_spec: Any, leaves: List[Any], slot_values: List[Any],
+         finite: Optional[bool] = None) -> Tuple[Any, ...]:
     if CloneTensor in set(map(type, slot_values)):
         slot_sig = tuple(id(v) if type(v) is not CloneTensor else _leaf_sig(v) for v in slot_values)
     else:
         slot_sig = tuple(map(id, slot_values))
-    return (call_id, in_spec, tuple(map(_leaf_sig, leaves)), slot_sig,
+    sigs = tuple(map(_leaf_sig, leaves)) if finite is None else tuple(_leaf_sig(leaf, finite) for leaf in leaves)
+    return (call_id, in_spec, sigs, slot_sig,
             tuple(map(_TRAINING, rec.modules)), torch.is_grad_enabled(), _autocast_state(),
             _FALLBACK["mode"])
 
@@ -493,7 +498,7 @@ def _warn_eager(module: nn.Module, reason: str) -> None:
 
 
 def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engine: str = "captured",
-         fn: Optional[Callable] = None) -> Any:
+         fn: Optional[Callable] = None, key: Any = None, finite: Optional[bool] = None) -> Any:
     """Run ``fn(*args, **kwargs)`` (default ``module``) as ``module``'s captured clone forward.
 
     ``args``/``kwargs`` hold clone tensors (and anything else); ``module``'s parameters may have
@@ -506,12 +511,19 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
         engine: ``"captured"`` (replay the recorded program), ``"compiled"`` (the program under
             ``torch.compile``), or ``"eager"`` (plain clone mode).
         fn: the callable to record (e.g. ``module.forward`` to skip the module's own hooks).
+        key: what names ``fn`` in the guard key (hashable; default: ``fn`` itself). A caller that makes
+            a new closure per call passes the same ``key`` for closures that record the same program.
+        finite: ``True`` when the caller already knows that every tensor in ``args``/``kwargs`` is finite
+            (:func:`jvpreg.clone.api.jvp` reads it off its scale norms); ``None``: checked here.
     """
     with functions.active():
-        return _call(module, args, {} if kwargs is None else kwargs, engine, module if fn is None else fn)
+        fn = module if fn is None else fn
+        return _call(module, args, {} if kwargs is None else kwargs, engine, fn,
+                     id(getattr(fn, "__func__", fn)) if key is None else key, finite)
 
 
-def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callable) -> Any:
+def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callable, fn_key: Any,
+          finite: Optional[bool] = None) -> Any:
     if engine == "eager":
         with uncompiled(module):
             return fn(*args, **kwargs)
@@ -523,7 +535,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     else:
         leaves, in_spec = tree_flatten((args, kwargs))
     slot_values = rec.slot_values()
-    key = _key(rec, id(getattr(fn, "__func__", fn)), in_spec, leaves, slot_values)
+    key = _key(rec, fn_key, in_spec, leaves, slot_values, finite)
     prog = rec.programs.get(key)
     if prog is not None and prog.attrs and not all(d.get(n) is v for d, n, v in prog.attrs):
         prog = None  # a tensor attribute the program baked in was reassigned

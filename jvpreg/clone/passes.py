@@ -6,7 +6,9 @@ that computes the same tensors with the same gradients:
 * common-subexpression and dead-code elimination (:func:`optimize`);
 * the non-finite fix of :func:`jvpreg.clone.tensor.block_delta` dropped where the primal block provably
   holds no infinity (:func:`_drop_finite_fixes`): ``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` is
-  ``z - a`` when ``a`` is finite;
+  ``z - a`` when ``a`` is finite (no input that may hold one, no op that makes one by design on the way;
+  bounded ops such as ``tanh`` and ``softmax``, a variance's ``rsqrt(var + eps)`` and a block read back out of
+  its rule's ``stack`` count as finite);
 * ``op(h, expand(a))`` -> ``op(h, a)`` for pointwise ops (:func:`_drop_broadcast_expands`);
 * reshape and permute chains folded (:func:`_fold_reshapes`, :func:`_fold_permutes`); casts to the dtype a
   tensor already has dropped (:func:`_drop_noop_casts`);
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -309,8 +311,9 @@ _FINITE_OPS = frozenset("""
     leaky_relu_backward prelu _prelu_kernel gelu gelu_backward silu sigmoid sigmoid_backward tanh tanh_backward
     hardswish hardswish_backward hardsigmoid hardsigmoid_backward elu elu_backward softplus softplus_backward mish
     batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_no_training
-    _native_batch_norm_legit_functional layer_norm native_layer_norm native_layer_norm_backward group_norm
-    native_group_norm instance_norm softmax _softmax _softmax_backward_data log_softmax _log_softmax
+    _native_batch_norm_legit_functional native_batch_norm_backward layer_norm native_layer_norm native_layer_norm_backward
+    group_norm native_group_norm_backward
+    native_group_norm instance_norm var var_mean softmax _softmax _softmax_backward_data log_softmax _log_softmax
     scaled_dot_product_attention _scaled_dot_product_flash_attention_for_cpu
     dropout native_dropout feature_dropout
     max_pool1d max_pool2d max_pool3d max_pool2d_with_indices max_pool3d_with_indices avg_pool1d avg_pool2d
@@ -324,6 +327,46 @@ _FINITE_OPS = frozenset("""
     bernoulli uniform normal rand rand_like randn randn_like randint randperm
     empty empty_like new_empty empty_strided
 """.split())
+
+
+_BOUNDED_OPS = frozenset("tanh sigmoid atan erf relu6 hardsigmoid softmax _softmax".split())
+
+
+def _bounded(node: torch.fx.Node) -> bool:
+    """``node``'s values lie in a bounded range whatever its input (an infinite input gives a finite value or NaN)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    name = target._schema.name.split("::")[-1]
+    if name in ("hardtanh", "clamp"):  # hardtanh's default bounds are -1, 1; clamp needs both bounds
+        bounds = list(node.args[1:3]) + [-1.0, 1.0][len(node.args) - 1:] if name == "hardtanh" else node.args[1:3]
+        return len(bounds) == 2 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in bounds)
+    return name in _BOUNDED_OPS
+
+
+_STACK, _CAT, _UNSQUEEZE = torch.ops.aten.stack.default, torch.ops.aten.cat.default, torch.ops.aten.unsqueeze.default
+
+
+def _leading(node: torch.fx.Node) -> Optional[int]:
+    val = node.meta.get("val")
+    return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() > 0 else None
+
+
+def _stacked_part(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """``b_i`` if ``node`` is ``select(stack([b_0, b_1, ...], 0), 0, i)`` (a rule's output block), else ``None``."""
+    if node.target is not torch.ops.aten.select.int or node.args[1] != 0:
+        return None
+    src = node.args[0]
+    if not (isinstance(src, torch.fx.Node) and src.target in (_STACK, _CAT)):
+        return None
+    if (src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)) != 0:
+        return None
+    parts, i = list(src.args[0]), node.args[2]
+    if src.target is _CAT:  # cat of one-block parts (unsqueeze(b, 0), a + unsqueeze(d, 0)): a rule's output
+        if not all(isinstance(p, torch.fx.Node) and _leading(p) == 1 for p in parts):
+            return None
+        parts = [p.args[0] if p.target is _UNSQUEEZE and p.args[1] == 0 else p for p in parts]
+    return parts[i] if -len(parts) <= i < len(parts) and isinstance(parts[i], torch.fx.Node) else None
 
 
 def _numbers(args: Any):
@@ -345,11 +388,28 @@ def _makes_infinity(node: torch.fx.Node) -> bool:
     args = list(node.args) + list(node.kwargs.values())
     if any(not math.isfinite(v) for v in _numbers(args)):
         return True
+    if name in ("rsqrt", "reciprocal") and _positive(node.args[0]):
+        return False  # 1 / sqrt(var + eps), BatchNorm's and LayerNorm's invstd
     if name in ("div", "pow"):  # finite for a number divisor != 0, a number exponent >= 0
         other = node.args[1] if len(node.args) > 1 else None
         ok = (lambda v: v != 0) if name == "div" else (lambda v: v >= 0)
         return not (isinstance(other, (int, float)) and ok(other) and not node.kwargs.get("rounding_mode"))
     return name not in _FINITE_OPS
+
+
+_VARIANCES = ("var", "var_mean")
+
+
+def _positive(node: Any) -> bool:
+    """``node`` is ``v + c`` with ``v`` a variance (>= 0 or NaN) and ``c`` a positive number: never 0."""
+    if not (isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.add.Tensor and len(node.args) == 2):
+        return False
+    v, c = node.args
+    if not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 and isinstance(v, torch.fx.Node)):
+        return False
+    if v.target is operator.getitem and v.args[1] == 0:
+        v = v.args[0]  # var_mean(...)[0]
+    return isinstance(v.target, torch._ops.OpOverload) and v.target._schema.name.split("::")[-1] in _VARIANCES
 
 
 def _floating(val: Any) -> bool:
@@ -377,7 +437,11 @@ def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool]) ->
                 inf[node] = False
                 continue
             inputs = node.all_input_nodes
-            inf[node] = _makes_infinity(node) or any(inf.get(n, True) for n in inputs)
+            part = _stacked_part(node)
+            if part is not None:  # block i of stack([b_0, b_1, ...]): b_i's
+                inf[node] = inf.get(part, True)
+                continue
+            inf[node] = not _bounded(node) and (_makes_infinity(node) or any(inf.get(n, True) for n in inputs))
             target = node.target
             if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable and inf[node]:
                 return {}

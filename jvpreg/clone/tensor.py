@@ -63,6 +63,11 @@ _ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.functions.ac
 _CAPTURING: list = [None]  # the tracer while jvpreg.clone.capture records a clone forward, else None
 
 
+def capturing() -> bool:
+    """True while :mod:`jvpreg.clone.capture` records a clone forward (a value read by Python would raise)."""
+    return _CAPTURING[0] is not None
+
+
 def track(clone: CloneTensor, phys: torch.Tensor) -> CloneTensor:
     """While capturing: make the tracer see ``clone`` as the tracked physical tensor ``phys``."""
     tracer = _CAPTURING[0]

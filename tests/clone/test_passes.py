@@ -83,6 +83,41 @@ def test_inf_constant_keeps_the_fix():
     assert after[aten.isnan.default] == 1
 
 
+@pytest.mark.parametrize("source, fixed", [
+    (lambda x: torch.tanh(x.masked_fill(torch.arange(3) == 1, -float("inf"))), False),      # bounded op
+    (lambda x: torch.log(x.detach().abs().masked_fill(torch.arange(3) == 1, 0.0)), True),   # log(0) = -inf
+    (lambda x: torch.rsqrt(torch.var_mean(x, 0, correction=0)[0] + 1e-5) * x, False),       # BN's invstd
+    (lambda x: torch.rsqrt(x.abs() + 0.0) * x, True),                                        # rsqrt(0) = inf
+])
+def test_bounded_ops_and_variance_invstd_are_finite_other_infinities_keep_the_fix(source, fixed):
+    """The fix of a rule's output block: dropped where the analysis proves block 0 finite (a bounded op, an
+    invstd of a variance plus eps, a block read back out of its stack), kept where an infinity can arise."""
+    def f(x):
+        a = source(x[0])
+        return masked(torch.cat([a.unsqueeze(0), a + 2 * (x[1:] - x[0])]))
+
+    _, after = check(f, torch.randn(2, 4, 3, dtype=D), finite=(True,))
+    assert (after[aten.isnan.default] == 1) == fixed
+
+
+def test_jvp_of_a_module_is_one_program_with_pack_and_unpack():
+    """jvpreg.jvp on a module records x, u, s -> (y, J u) as one program; BatchNorm's invstd does not keep the
+    output's non-finite fix; a second call replays it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    model = model.to(D).train()
+    x, u = torch.randn(2, 3, 6, 6, dtype=D), torch.randn(2, 3, 6, 6, dtype=D)
+    y, t = jvpreg.jvp(model, (x,), (u,))
+    (prog,) = capture.programs(model).values()
+    counted = ops(prog.gm)
+    n_in = sum(n.op == "placeholder" for n in prog.gm.graph.nodes)
+    assert n_in == 3 + len(list(model.parameters())) + len(list(model.buffers()))  # x, u, s and the tensors
+    assert counted[aten.div.Tensor] == 1 and not counted[aten.isnan.default]
+    ref = jvpreg.jvp(model, (x,), (u,), engine="eager")[1]
+    torch.testing.assert_close(jvpreg.jvp(model, (x,), (u,))[1], ref, rtol=1e-12, atol=1e-12)
+    assert len(capture.programs(model)) == 1
+
+
 def test_captured_transformer_block_uses_the_passes():
     torch.manual_seed(0)
     model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True,
