@@ -31,11 +31,11 @@ _R_DEFAULT = 2.0 ** 20
 _R_HALF = 2.0 ** 2
 
 
-def _ratio(dtype: torch.dtype, device: torch.device) -> float:
+def _ratio(dtype: torch.dtype, device_type: str) -> float:
     if dtype == torch.float16:
         return _R_HALF
     try:
-        if torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == torch.float16:
+        if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
             return _R_HALF
     except (TypeError, RuntimeError, AttributeError):  # older torch signatures
         pass
@@ -47,13 +47,17 @@ def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) ->
     return _choose_scales(pairs, k, ratio)[0]
 
 
-def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) -> tuple:
+_SHARED_SCALES: Dict[tuple, torch.Tensor] = {}  # read-only CPU scale tensors by value (jvp's program inputs)
+
+
+def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, shared: bool = False) -> tuple:
     """:func:`choose_scales`, and ``True`` if every entry of the pairs is finite (``None``: not known, on a
-    device; a float64 norm is finite only if every entry is, so on the CPU this comes free)."""
+    device; a float64 norm is finite only if every entry is, so on the CPU this comes free). ``shared``: the
+    CPU tensor may be one shared by calls with the same scales (for a caller that never writes to it)."""
     ref = pairs[0][0]
-    ratio = _ratio(ref.dtype, ref.device) if ratio is None else ratio
     with torch.no_grad():  # rms(x) / rms(u_j) = ||x|| / ||u_j||: float64 norms, non-finite entries (masks) left out
-        if ref.device.type == "cpu":  # a handful of scalars: Python arithmetic, no kernel per step
+        if ref.is_cpu:  # a handful of scalars: Python arithmetic, no kernel per step
+            ratio = _ratio(ref.dtype, "cpu") if ratio is None else ratio
             x2, u2, finite = 0.0, [0.0] * k, True
             for x, u in pairs:
                 nx, fx = _finite_norms(x.detach().reshape(1, -1))
@@ -62,8 +66,16 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) -
                 u2 = [a + b ** 2 for a, b in zip(u2, nu)]
                 finite = finite and fx and fu
             nx = math.sqrt(x2) or 1.0
-            s = [2.0 ** round(math.log2(ratio * nx / math.sqrt(n))) if n > 0 else 1.0 for n in u2]
-            return torch.tensor(s, dtype=torch.float64), finite
+            s = tuple(2.0 ** round(math.log2(ratio * nx / math.sqrt(n))) if n > 0 else 1.0 for n in u2)
+            if not shared:
+                return torch.tensor(s, dtype=torch.float64), finite
+            t = _SHARED_SCALES.get(s)
+            if t is None:
+                if len(_SHARED_SCALES) > 256:
+                    _SHARED_SCALES.clear()
+                t = _SHARED_SCALES[s] = torch.tensor(s, dtype=torch.float64)
+            return t, finite
+        ratio = _ratio(ref.dtype, ref.device.type) if ratio is None else ratio
         x2, u2 = 0.0, 0.0  # on an accelerator: the same formula in kernels, no host synchronisation
         for x, u in pairs:
             xf = torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0)
@@ -91,10 +103,10 @@ def scales(pairs: Sequence[tuple], k: int, scale: Any = "auto") -> torch.Tensor:
     return _scales(pairs, k, scale)[0]
 
 
-def _scales(pairs: Sequence[tuple], k: int, scale: Any = "auto") -> tuple:
+def _scales(pairs: Sequence[tuple], k: int, scale: Any = "auto", shared: bool = False) -> tuple:
     """:func:`scales` and, for ``"auto"`` on the CPU, whether the pairs are all finite (else ``None``)."""
     if scale == "auto":
-        return _choose_scales(pairs, k)
+        return _choose_scales(pairs, k, shared=shared)
     if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scale: expected 'auto' or a positive finite number, got {scale!r}")
     return torch.full((k,), float(scale), dtype=torch.float64, device=pairs[0][0].device), None
@@ -249,9 +261,10 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
     if len(ks) != 1:
         raise ValueError(f"{where}: every tangent must carry the same number of directions k, got {sorted(ks)}.")
     tans = tuple(t if batched_tangents else t.unsqueeze(0) for t in tangents)
-    s, finite = _scales(list(zip(primals, tans)), tans[0].shape[0], scale)
     target = capture.unwrap_compiled(func)
-    if engine != "eager" and isinstance(target, nn.Module):
+    program = engine != "eager" and isinstance(target, nn.Module)
+    s, finite = _scales(list(zip(primals, tans)), tans[0].shape[0], scale, shared=program)  # the program only reads s
+    if program:
         # pack, forward and unpack recorded as one program: x, u, s in; output, tangent (and aux) out
         n = len(primals)
         return capture.call(target, (*primals, *tans, s), engine=engine, key=("jvp", n, batched_tangents, has_aux),

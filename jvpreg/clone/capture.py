@@ -152,6 +152,7 @@ class _Program:
     compiled: Optional[Callable] = None
     reason: str = ""
     replay: Optional[Callable] = None   # gm's forward with direct operator calls (engine="captured")
+    out_pairs: bool = False             # the output is a flat tuple of plain tensors (no rebuild needed)
 
 
 @dataclass
@@ -393,7 +394,10 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     finite = [_finite(leaves[i]) for i in clone_pos] + [_finite(slot_values[j]) for j in slot_pos]
     optimize(gm, finite)
     keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
-    return _Program(gm=gm, keep=keep, out_spec=out_meta["spec"], out_kinds=out_meta["kinds"],
+    spec = out_meta["spec"]
+    flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
+    return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
+                    out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]),
                     attrs=_baked_attributes(gm, rec), replay=_direct_calls(gm))
 
 
@@ -472,6 +476,8 @@ def _inputs(leaves: List[Any], slot_values: List[Any]) -> List[torch.Tensor]:
 
 
 def _rebuild(prog: _Program, outs: List[torch.Tensor]) -> Any:
+    if prog.out_pairs:  # (y, t) or (y, t, aux) of plain tensors: jvp's usual output
+        return tuple(outs)
     it = iter(outs)
     leaves = []
     for kind in prog.out_kinds:
@@ -516,16 +522,15 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
         finite: ``True`` when the caller already knows that every tensor in ``args``/``kwargs`` is finite
             (:func:`jvpreg.clone.api.jvp` reads it off its scale norms); ``None``: checked here.
     """
-    with functions.active():
-        fn = module if fn is None else fn
-        return _call(module, args, {} if kwargs is None else kwargs, engine, fn,
-                     id(getattr(fn, "__func__", fn)) if key is None else key, finite)
+    fn = module if fn is None else fn
+    return _call(module, args, {} if kwargs is None else kwargs, engine, fn,
+                 id(getattr(fn, "__func__", fn)) if key is None else key, finite)
 
 
 def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callable, fn_key: Any,
           finite: Optional[bool] = None) -> Any:
     if engine == "eager":
-        with uncompiled(module):
+        with functions.active(), uncompiled(module):
             return fn(*args, **kwargs)
     rec = _RECORDS.get(module)
     if rec is None or not rec.valid():
@@ -546,7 +551,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
                      "jvpreg.clone.capture.reset(module) if they are transient"
         if not reason:
             try:
-                with uncompiled(module):
+                with functions.active(), uncompiled(module):
                     prog = _trace(module, fn, in_spec, leaves, rec, slot_values)
             except CaptureError as err:
                 reason = str(err)
@@ -559,7 +564,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
         rec.programs[key] = prog
     if prog.gm is None:
         _warn_eager(module, prog.reason)
-        with uncompiled(module):
+        with functions.active(), uncompiled(module):
             return fn(*args, **kwargs)
     run = prog.replay or prog.gm
     if engine == "compiled":
