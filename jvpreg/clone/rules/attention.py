@@ -5,7 +5,8 @@ With ``S = q k^T * scale + mask``, ``P = softmax(S)``, ``O = P v`` (dropout mask
     dS = (dq k^T + q dk^T) * scale (+ d mask),   dP = P * (dS - sum(P * dS)),   dO = (dP * M) v + (P * M) dv
 
 Fused kernels hide P, so the tangent is computed with explicit products (P is materialised once
-for the primal block); the primal output uses the fused kernel when there is no dropout.
+for the primal block). Block j of the output is ``(P M) z_j + (dP_j M) v`` with ``z_j = v + dv_j`` the
+value's block: one product of ``P M`` with every value block at once, plus ``dP_j`` times the primal value.
 ``F.multi_head_attention_forward`` is run op by op on the clone batch (its projections, reshapes
 and the attention above each go through their own rules).
 """
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from ..dispatch import without_torch_function_guard
 from ..registry import register_handler, register_rule
-from ..tensor import delta_blocks, each_block, is_clone, kept_primal, primal_block, stack_blocks, tile
+from ..tensor import delta_blocks, each_block, is_clone, kept_primal, primal_block, stack_blocks, tile, varies
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -32,14 +33,17 @@ def _repeat_kv(t, n_rep):
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """SDPA linearised at the primal block (formula in the module docstring)."""
-    q, k, v = (kept_primal(t) if is_clone(t) else t for t in (query, key, value))
+    q, k = (kept_primal(t) if is_clone(t) else t for t in (query, key))
+    v = _primal(value)  # a view: the product with every value block keeps the whole value for backward anyway
+    if is_clone(value) and not varies(value):
+        v = kept_primal(value)
     m = _primal(attn_mask)
-    dq, dk, dv, dm = _delta(query), _delta(key), _delta(value), _delta(attn_mask)
+    dq, dk, dm = _delta(query), _delta(key), _delta(attn_mask)
     kk = next(t.shape[0] for t in (query, key, value, attn_mask) if is_clone(t))
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     sc = 1.0 / math.sqrt(E) if scale is None else scale
     n_rep = q.shape[-3] // k.shape[-3] if enable_gqa and q.dim() >= 3 else 1
-    k, v, dk, dv = (_repeat_kv(t, n_rep) for t in (k, v, dk, dv))
+    k, v, dk = (_repeat_kv(t, n_rep) for t in (k, v, dk))
     s = (q @ k.transpose(-2, -1)) * sc
     if is_causal:
         causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=0)
@@ -47,14 +51,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if m is not None:
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
     p = torch.softmax(s, dim=-1)
-    if dropout_p > 0:
-        keep = torch.empty_like(p).bernoulli_(1 - dropout_p) / (1 - dropout_p)
-        pd = p * keep
-        out_a = pd @ v
-    else:
-        keep = None
-        pd = p
-        out_a = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=is_causal, scale=scale)
+    keep = torch.empty_like(p).bernoulli_(1 - dropout_p) / (1 - dropout_p) if dropout_p > 0 else None
+    pd = p if keep is None else p * keep
     ds = None
     if dq is not None:
         ds = dq @ k.transpose(-2, -1)
@@ -65,16 +63,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         ds = ds * sc
     if dm is not None and m.dtype != torch.bool:
         ds = dm if ds is None else ds + dm
-    tan = None
+    dpv = None
     if ds is not None:  # dP = P * (dS - sum(P * dS)): softmax's backward kernel (its Jacobian is symmetric)
         dp = each_block(lambda b: torch.ops.aten._softmax_backward_data(b.expand_as(p), p, -1, p.dtype), ds)
-        tan = (dp if keep is None else dp * keep) @ v
-    if dv is not None:
-        pdv = pd @ dv
-        tan = pdv if tan is None else tan + pdv
-    if tan is None:
-        return tile(out_a, kk)
-    return stack_blocks(out_a, out_a + tan)
+        dpv = (dp if keep is None else dp * keep) @ v
+    if varies(value):  # [(P M) v; (P M) z_j]: the primal and the value's tangent in one product
+        out = pd @ _repeat_kv(value, n_rep)
+        return out if dpv is None else stack_blocks(out[0], out[1:] + dpv)
+    out_a = pd @ v
+    return tile(out_a, kk) if dpv is None else stack_blocks(out_a, out_a + dpv)
 
 
 _MHA = without_torch_function_guard(F.multi_head_attention_forward)
