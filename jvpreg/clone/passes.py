@@ -15,7 +15,8 @@ that computes the same tensors with the same gradients:
 * block reads moved to the block: ``select(op(x, y), 0, i)`` -> ``op(select(x, 0, i), y)``
   (:func:`_hoist_selects`), ``select(slice(x))`` -> ``select(x)`` (:func:`_select_through_slices`);
 * each rule's output ``[a; a + t]`` as one ``stack``: ``op(b, unsqueeze(c, 0))`` -> ``unsqueeze(op(b, c), 0)``
-  (:func:`_sink_unsqueezes`), then ``cat([unsqueeze(a, 0), ...])`` -> ``stack`` (:func:`_stack_unsqueezed_cats`).
+  (:func:`_sink_unsqueezes`), then ``cat([unsqueeze(a, 0), ...])`` -> ``stack`` (:func:`_stack_unsqueezed_cats`);
+* ``add``/``mul`` with the contiguous operand first, so the result is contiguous (:func:`_contiguous_first`).
 """
 from __future__ import annotations
 
@@ -74,8 +75,29 @@ def optimize(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool] = ()) -> No
     _select_through_slices(graph)
     _sink_unsqueezes(graph)
     _stack_unsqueezed_cats(graph)
+    _contiguous_first(graph)
     _drop_dead(graph)
     gm.recompile()
+
+
+_COMMUTING = (torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor)
+
+
+def _contiguous_first(graph: torch.fx.Graph) -> None:
+    """``add(h, c)`` -> ``add(c, h)`` (and ``mul``) when ``h`` is a strided view and ``c`` a contiguous tensor of
+    the same shape and dtype: the result takes its first operand's memory layout, so it is contiguous and the
+    next kernels (LayerNorm, linear) need no copy. Same values: both ops commute exactly.
+
+    (A transposed attention output plus the residual: the layout a plain forward's fused attention avoids.)"""
+    for node in graph.nodes:
+        if node.target not in _COMMUTING or len(node.args) != 2 or node.kwargs:
+            continue
+        h, c = node.args
+        hv, cv = (n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (h, c))
+        if not (isinstance(hv, torch.Tensor) and isinstance(cv, torch.Tensor)):
+            continue
+        if hv.shape == cv.shape and hv.dtype == cv.dtype and not hv.is_contiguous() and cv.is_contiguous():
+            node.args = (c, h)
 
 
 def _drop_dead(graph: torch.fx.Graph) -> None:

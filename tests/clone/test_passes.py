@@ -163,3 +163,19 @@ def test_fix_kept_when_its_output_is_written_in_place_and_the_difference_read_el
         return d * fixed
 
     check(f, torch.randn(3, 4, dtype=D), finite=(True,))
+
+
+def test_contiguous_operand_goes_first_so_the_sum_is_contiguous():
+    """``h.transpose + c``: the pass puts ``c`` first, the result is contiguous (LayerNorm then copies nothing);
+    mixed shapes or dtypes are left alone."""
+    def f(h, c, v):
+        return torch.layer_norm(h.transpose(1, 2) + c, (4,)) + (h.transpose(1, 2) * v)
+
+    h, c, v = torch.randn(2, 4, 3, dtype=D), torch.randn(2, 3, 4, dtype=D), torch.randn(4, dtype=D)
+    gm = make_fx(f, tracing_mode="real", pre_dispatch=True)(h, c, v)
+    passes.optimize(gm, ())
+    add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
+    assert add.args[0].target is not aten.transpose.int and gm(h, c, v).is_contiguous()
+    mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
+    assert mul.args[0].target is aten.transpose.int  # v broadcasts: not swapped
+    check(f, h, c, v)
