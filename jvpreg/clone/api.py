@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import capture, functions
 from .dispatch import check_not_custom_output
-from .tensor import block_delta, capturing, is_clone, wrap
+from .tensor import _SWAPPED_CLONES, CloneTensor, block_delta, capturing, is_clone, wrap
 
 _R_DEFAULT = 2.0 ** 20
 _R_HALF = 2.0 ** 2
@@ -299,7 +299,8 @@ def swap_in(module: nn.Module, replace: Mapping[torch.Tensor, torch.Tensor], *, 
                 if value is not None and id(value) in by_id:
                     slots.append((store, attr, value))
     for store, attr, value in slots:
-        store[attr] = by_id[id(value)]
+        new = store[attr] = by_id[id(value)]
+        _SWAPPED_CLONES[0] += type(new) is CloneTensor
     return slots
 
 
@@ -307,6 +308,7 @@ def restore(slots: list) -> None:
     """Undo :func:`swap_in` (last swapped first)."""
     while slots:
         store, attr, value = slots.pop()
+        _SWAPPED_CLONES[0] -= type(store.get(attr)) is CloneTensor
         store[attr] = value
 
 

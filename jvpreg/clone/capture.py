@@ -62,6 +62,7 @@ import torch
 from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from . import functions
 from . import tensor as _tensor
@@ -155,9 +156,35 @@ class _Program:
     out_pairs: bool = False             # the output is a flat tuple of plain tensors (no rebuild needed)
 
 
+def _stateless_forwards() -> frozenset:
+    """``forward`` functions of torch.nn modules that neither read ``self.training`` nor call a submodule
+    (checked against torch's sources: only RReLU, MultiheadAttention and the dropout, batch-norm,
+    instance-norm, RNN and transformer modules read ``training`` in ``torch/nn/modules``)."""
+    names = """Linear Bilinear Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspose2d ConvTranspose3d ReLU ReLU6 LeakyReLU
+        PReLU ELU SELU CELU GELU SiLU Mish Tanh Sigmoid Hardswish Hardsigmoid Hardtanh Softplus Softsign Tanhshrink
+        Softmax LogSoftmax Identity Flatten Unflatten MaxPool1d MaxPool2d MaxPool3d AvgPool1d AvgPool2d AvgPool3d
+        AdaptiveAvgPool1d AdaptiveAvgPool2d AdaptiveAvgPool3d AdaptiveMaxPool1d AdaptiveMaxPool2d AdaptiveMaxPool3d
+        LayerNorm GroupNorm RMSNorm LocalResponseNorm Embedding Upsample PixelShuffle PixelUnshuffle ZeroPad1d
+        ZeroPad2d ZeroPad3d ConstantPad1d ConstantPad2d ConstantPad3d ReflectionPad1d ReflectionPad2d
+        ReflectionPad3d ReplicationPad1d ReplicationPad2d ReplicationPad3d ChannelShuffle""".split()
+    return frozenset(getattr(nn, n).forward for n in names if hasattr(nn, n))
+
+
+_STATELESS = _stateless_forwards()
+
+
+def _stateless_leaf(m: nn.Module) -> bool:
+    """A torch.nn leaf whose forward ignores ``training`` and submodules: its flag and children need no guard."""
+    return not m._modules and getattr(type(m), "forward", None) in _STATELESS
+
+
 @dataclass
 class _Record:
-    """What is known about one module: its submodules, parameter slots and captured programs."""
+    """What is known about one module: its submodules, parameter slots and captured programs.
+
+    Guarded on every call: the parameter and buffer slots of every module; the ``training`` flag and the
+    children of every module except torch.nn leaves whose forward reads neither (``Linear``, ``ReLU``, ...:
+    :func:`_stateless_leaf`); the forward hooks through torch's global hook-handle counter."""
 
     modules: List[nn.Module]
     children: List[Tuple[Any, ...]]
@@ -165,20 +192,33 @@ class _Record:
     child_dicts: List[Dict[str, Any]] = field(default_factory=list)
     hooks: str = ""
     programs: Dict[Any, _Program] = field(default_factory=dict)
+    flagged: List[nn.Module] = field(default_factory=list)   # modules whose training flag is guarded
+    hook_epoch: int = -1
+    slot_stores: Optional[Tuple[Dict[str, Any], ...]] = None  # slots, unzipped once
+    slot_names: Tuple[str, ...] = ()
 
     @classmethod
     def of(cls, module: nn.Module) -> "_Record":
         mods = list(module.modules())
         slots = [(store, name) for m in mods for store in (m._parameters, m._buffers) for name in store]
-        dicts = [m._modules for m in mods]
-        return cls(mods, [tuple(d.values()) for d in dicts], slots, child_dicts=dicts, hooks=_foreign_hooks(module, mods))
+        guarded = [m for m in mods if not _stateless_leaf(m)]
+        dicts = [m._modules for m in guarded]
+        return cls(mods, [tuple(d.values()) for d in dicts], slots, child_dicts=dicts,
+                   hooks=_foreign_hooks(module, mods), flagged=guarded, hook_epoch=RemovableHandle.next_id)
 
     def valid(self) -> bool:
         return list(map(tuple, map(dict.values, self.child_dicts))) == self.children
 
+    def check_hooks(self, root: nn.Module) -> None:
+        """Rescan the forward hooks if any hook was registered anywhere since the last scan (one int compare)."""
+        if self.hook_epoch != RemovableHandle.next_id:
+            self.hooks, self.hook_epoch = _foreign_hooks(root, self.modules), RemovableHandle.next_id
+
     def slot_values(self) -> List[Any]:
         """The tensor (or ``None``) in every parameter and buffer slot now."""
-        return list(map(dict.get, *zip(*self.slots))) if self.slots else []
+        if self.slot_stores is None:
+            self.slot_stores, self.slot_names = (tuple(t) for t in zip(*self.slots)) if self.slots else ((), ())
+        return list(map(dict.get, self.slot_stores, self.slot_names))
 
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
@@ -279,13 +319,13 @@ _TRAINING = operator.attrgetter("training")
 
 def _key(rec: _Record, call_id: Any, in_spec: Any, leaves: List[Any], slot_values: List[Any],
          finite: Optional[bool] = None) -> Tuple[Any, ...]:
-    if CloneTensor in set(map(type, slot_values)):
+    if _clone_slots(slot_values):
         slot_sig = tuple(id(v) if type(v) is not CloneTensor else _leaf_sig(v) for v in slot_values)
     else:
         slot_sig = tuple(map(id, slot_values))
     sigs = tuple(map(_leaf_sig, leaves)) if finite is None else tuple(_leaf_sig(leaf, finite) for leaf in leaves)
     return (call_id, in_spec, sigs, slot_sig,
-            tuple(map(_TRAINING, rec.modules)), torch.is_grad_enabled(), _autocast_state(),
+            tuple(map(_TRAINING, rec.flagged)), torch.is_grad_enabled(), _autocast_state(),
             _FALLBACK["mode"])
 
 
@@ -348,6 +388,9 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
            slot_values: List[Any]) -> _Program:
     from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
+    if not _tensor._SWAPPED_CLONES[0] and CloneTensor in set(map(type, slot_values)):
+        raise CaptureError("a parameter or buffer slot holds a clone tensor that jvpreg.clone.swapped_tensors "
+                           "did not put there (swap parameter directions in with it, or use jvpreg.jvp_params)")
     clone_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     slot_pos = [i for i, v in enumerate(slot_values) if isinstance(v, torch.Tensor)]
     n_in = len(clone_pos)
@@ -468,9 +511,15 @@ def _pin_grad_modes(graph: torch.fx.Graph, initial: bool) -> None:
             state = want
 
 
+def _clone_slots(slot_values: List[Any]) -> bool:
+    """Some parameter or buffer slot holds a clone (parameter directions). Known without reading the slots'
+    tensors while no clone is swapped in (:func:`jvpreg.clone.api.swap_in` counts them): the usual call."""
+    return bool(_tensor._SWAPPED_CLONES[0]) and CloneTensor in set(map(type, slot_values))
+
+
 def _inputs(leaves: List[Any], slot_values: List[Any]) -> List[torch.Tensor]:
     flat = [_phys(leaf) for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    if CloneTensor in set(map(type, slot_values)):
+    if _clone_slots(slot_values):
         return flat + [_phys(v) for v in slot_values if isinstance(v, torch.Tensor)]
     return flat + [v for v in slot_values if v is not None]
 
@@ -535,6 +584,12 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     rec = _RECORDS.get(module)
     if rec is None or not rec.valid():
         rec = _RECORDS[module] = _Record.of(module)
+    else:
+        rec.check_hooks(module)
+    if rec.hooks:  # checked before any program: a hook registered after a capture must run too
+        _warn_eager(module, _unsupported(module, rec))
+        with functions.active(), uncompiled(module):
+            return fn(*args, **kwargs)
     if not kwargs and all(type(a) is CloneTensor or type(a) is torch.Tensor for a in args):
         leaves, in_spec = list(args), len(args)  # the usual call f(x1, ..., xn): no pytree walk
     else:

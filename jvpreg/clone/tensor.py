@@ -61,6 +61,7 @@ class CloneTensor(torch.Tensor):
 _DISPATCH: list = [None]  # set by jvpreg.clone.dispatch (which imports this module)
 _ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.functions.active)
 _CAPTURING: list = [None]  # the tracer while jvpreg.clone.capture records a clone forward, else None
+_SWAPPED_CLONES: list = [0]  # clone tensors now in parameter/buffer slots (put there by jvpreg.clone.swap_in)
 
 
 def capturing() -> bool:

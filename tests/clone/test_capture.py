@@ -244,6 +244,50 @@ def test_forward_hooks_and_custom_functions_fall_back_to_eager():
     torch.testing.assert_close(t, t_ref, rtol=0, atol=0)
 
 
+def test_forward_hook_registered_after_a_capture_runs_and_its_removal_is_exact():
+    """A hook registered after the program was recorded must change the answer (it did not: the replay
+    skipped it); after its removal the answers are the plain ones again."""
+    capture._WARNED.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    _, t_plain = jvpreg.jvp(model, (x,), (u,))
+    handle = model[1].register_forward_hook(lambda m, a, out: 2 * out)
+    with pytest.warns(JVPCaptureWarning, match="forward hooks on Tanh"):
+        y, t = jvpreg.jvp(model, (x,), (u,))
+    y_ref, t_ref = torch.func.jvp(model, (x,), (u,))
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
+    handle.remove()
+    _, t_after = jvpreg.jvp(model, (x,), (u,))
+    torch.testing.assert_close(t_after, t_plain, rtol=1e-12, atol=1e-12)
+
+
+def test_training_flags_guarded_except_on_stateless_torch_leaves():
+    """Dropout, BatchNorm and user modules have their train/eval flag guarded; Linear and ReLU (whose forward
+    reads neither the flag nor submodules) are not walked on every call."""
+    class User(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * (2.0 if self.training else 1.0)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Dropout(0.5), nn.BatchNorm1d(4), User()).to(D).train()
+    x, u = randn(3, 4), randn(3, 4)
+    jvpreg.jvp(model, (x,), (u,))
+    flagged = capture._RECORDS[model].flagged
+    assert {type(m) for m in flagged} == {nn.Sequential, nn.Dropout, nn.BatchNorm1d, User}
+    model[4].eval()  # only the user module: recaptures, and the flag's branch is taken
+    model[2].eval()
+    with torch.no_grad():
+        _, t = jvpreg.jvp(model, (x,), (u,))
+    _, t_ref = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    torch.testing.assert_close(t, t_ref, rtol=0, atol=0)
+    assert len(capture.programs(model)) == 2
+
+
 def test_op_without_rule_falls_back_to_eager_with_the_exact_fallback():
     capture._WARNED.clear()
 
@@ -283,6 +327,26 @@ def test_jvp_params_captured_equals_eager():
         y_e, t_e = jvpreg.jvp_params(eager, (x,), dirs, batched_tangents=True, engine="eager")
         torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
     assert all(p.gm is not None for p in capture.programs(model).values())
+
+
+def test_clone_put_into_a_slot_by_hand_runs_eagerly_and_exactly():
+    """The captured engine learns of clone parameters from swap_in (it does not read every slot's tensor on
+    every call); a clone written into ``_parameters`` by hand is caught at capture and runs eagerly."""
+    capture._WARNED.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh()).to(D)
+    x, dw = randn(2, 4), randn(3, 4)
+    (xc, wc), s = jvpreg.clone.pack((x, model[0].weight), (torch.zeros(1, 2, 4, dtype=D), dw[None]))
+    weight = model[0]._parameters["weight"]
+    model[0]._parameters["weight"] = wc
+    try:
+        with pytest.warns(JVPCaptureWarning, match="did not put there"):
+            out = jvpreg.clone.call(model, (xc,), engine="captured")
+        _, t = jvpreg.clone.unpack(out, s, batched=False)
+    finally:
+        model[0]._parameters["weight"] = weight
+    _, t_ref = jvpreg.jvp_params(model, (x,), {"0.weight": dw})
+    torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
 
 
 def test_stacked_penalties_captured_equal_eager():
