@@ -651,6 +651,8 @@ RECURRENT_SETTINGS = [
     {"id": "gru", "module": rnn(nn.GRU), "input_shape": (3, 2, 4)},
     {"id": "gru-2layers-bidirectional-batch_first", "slow": True,
      "module": rnn(nn.GRU, num_layers=2, bidirectional=True, batch_first=True), "input_shape": (2, 3, 4)},
+    {"id": "lstm-unbatched-proj_size", "module": rnn(nn.LSTM, proj_size=3), "input_shape": (3, 4)},
+    {"id": "gru-unbatched-no-bias", "module": rnn(nn.GRU, bias=False), "input_shape": (3, 4)},
 ]
 
 
@@ -673,6 +675,18 @@ def test_recurrent_initial_state_from_batch():
             return self.lstm(x, (h0, torch.zeros_like(h0)))[0]
 
     run_setting({"id": "lstm-h0", "module": Net, "input_shape": (3, 2, 4)})
+
+    class GRUNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru = nn.GRU(4, 5, num_layers=2)
+            self.h0 = nn.Linear(4, 5)
+
+        def forward(self, x):
+            h0 = torch.sigmoid(self.h0(x.mean(0)))[None].expand(2, -1, -1)
+            return self.gru(x, h0)[1]
+
+    run_setting({"id": "gru-h0", "module": GRUNet, "input_shape": (3, 2, 4)})
 
 
 # ----------------------------------------------------------------------------- kinks and ties

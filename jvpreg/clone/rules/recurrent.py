@@ -9,7 +9,9 @@ from the primal block, products by the Leibniz rule):
   ``h' = s(o) tanh(c')`` (then ``h' W_hr^T`` with projections)
 * GRU: ``r = s(.), z = s(.)``, ``n = tanh(x_n + r * (h W_hn^T + b_hn))``, ``h' = (1 - z) n + z h``
 
-Packed sequences are not unrolled: they raise a clear error.
+The Elman RNN, the LSTM and the GRU run these equations directly on the physical blocks, with hand-written
+tangents (:func:`_elman_on_blocks`, :func:`_gated_on_blocks`) when only the input carries tangents; with
+parameter tangents every op goes through its rule. Packed sequences are not unrolled: they raise a clear error.
 """
 from __future__ import annotations
 
@@ -145,6 +147,102 @@ def _elman_on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, t
     return wrap(output), wrap(hn)
 
 
+def _slope_sigmoid(p0):
+    """``(sigmoid(a), sigmoid'(a))`` of a primal pre-activation."""
+    sg = torch.sigmoid(p0)
+    return sg, sg * (1 - sg)
+
+
+def _lstm_step(gates, c, w_hr):
+    """One LSTM step on physical blocks (``gates``: ``(K, B, 4H)``, ``c``: ``(K, B, H)``), every nonlinearity
+    linearised at the primal block: ``c' = s(f) c + s(i) tanh(g)``, ``h' = s(o) tanh(c')`` and their tangents
+    ``dc' = s'(f) df c + s(f) dc + s'(i) di tanh(g) + s(i) tanh'(g) dg``, ``dh' = s'(o) do tanh(c') + s(o) tanh'(c') dc'``."""
+    g0, d = gates[0], gates[1:] - gates[0]
+    sg, dsg = _slope_sigmoid(g0)
+    si, sf, _, so = sg.chunk(4, -1)
+    dsi, dsf, _, dso = dsg.chunk(4, -1)
+    di, df, dg, do = d.chunk(4, -1)
+    tg = torch.tanh(g0[..., 2 * c.shape[-1]:3 * c.shape[-1]])
+    c0, dc = c[0], c[1:] - c[0]
+    c0n = sf * c0 + si * tg
+    dcn = (dsf * c0) * df + sf * dc + (dsi * tg) * di + (si * (1 - tg * tg)) * dg
+    tc = torch.tanh(c0n)
+    h0n = so * tc
+    dhn = (dso * tc) * do + (so * (1 - tc * tc)) * dcn
+    h = stack_blocks(h0n, h0n + dhn)
+    return (h if w_hr is None else F.linear(h, w_hr)), stack_blocks(c0n, c0n + dcn)
+
+
+def _gru_step(xp, h, w_hh, b_hh):
+    """One GRU step on physical blocks: ``r, z = s(.)``, ``n = tanh(x_n + r (h W_hn^T + b_hn))``,
+    ``h' = (1 - z) n + z h``, linearised at the primal block."""
+    gh = F.linear(h, w_hh, b_hh)
+    xr, xz, xn = xp.chunk(3, -1)
+    hr, hz, hn = gh.chunk(3, -1)
+    pr, pz = xr + hr, xz + hz
+    r0, dr0 = _slope_sigmoid(pr[0])
+    z0, dz0 = _slope_sigmoid(pz[0])
+    dr, dz = dr0 * (pr[1:] - pr[0]), dz0 * (pz[1:] - pz[0])
+    hn0 = hn[0]
+    pn0 = xn[0] + r0 * hn0
+    n0 = torch.tanh(pn0)
+    dn = (1 - n0 * n0) * ((xn[1:] - xn[0]) + dr * hn0 + r0 * (hn[1:] - hn0))
+    h0 = h[0]
+    h0n = (1 - z0) * n0 + z0 * h0
+    dhn = dz * (h0 - n0) + (1 - z0) * dn + z0 * (h[1:] - h0)
+    return stack_blocks(h0n, h0n + dhn)
+
+
+def _gated_on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """LSTM and GRU written directly on the physical blocks (:func:`_lstm_step`, :func:`_gru_step`): the cell
+    equations with hand-written tangents instead of one clone rule per op and step (a third of the ops)."""
+    x = input.as_subclass(torch.Tensor)  # (K, *logical)
+    k = x.shape[0]
+    if batch_first:
+        x = x.transpose(1, 2)
+    unbatched = x.dim() == 3
+    if unbatched:
+        x = x.unsqueeze(2)
+    states = hx if mode == "lstm" else (hx,)
+    phys = []
+    for st in states:  # (K, L*dirs, B, H); a plain initial state is the same in every block
+        st = st.as_subclass(torch.Tensor) if is_clone(st) else st.expand(k, *st.shape)
+        phys.append(st.unsqueeze(-2) if unbatched else st)
+    dirs = 2 if bidirectional else 1
+    per = len(params) // (num_layers * dirs)
+    layer_in, h_n, c_n = x, [], []
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            idx, w_ih, w_hh, b_ih, b_hh, w_hr = _weights(params, layer, d, dirs, per, has_biases, mode)
+            h = phys[0][:, idx]
+            c = phys[1][:, idx] if mode == "lstm" else None
+            xp = F.linear(layer_in, w_ih, b_ih)  # (K, T, B, G): every step at once
+            steps = range(xp.shape[1] - 1, -1, -1) if d == 1 else range(xp.shape[1])
+            seq = [None] * xp.shape[1]
+            for t in steps:
+                if mode == "lstm":
+                    h, c = _lstm_step(xp[:, t] + F.linear(h, w_hh, b_hh), c, w_hr)
+                else:
+                    h = _gru_step(xp[:, t], h, w_hh, b_hh)
+                seq[t] = h
+            outs.append(torch.stack(seq, 1))
+            h_n.append(h)
+            c_n.append(c)
+        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        if dropout and train and layer < num_layers - 1:
+            keep = F.dropout(torch.ones_like(layer_in[0]), dropout, True)
+            layer_in = layer_in * keep
+    output, hn = layer_in, torch.stack(h_n, 1)
+    cn = torch.stack(c_n, 1) if mode == "lstm" else None
+    if unbatched:
+        output, hn = output.squeeze(2), hn.squeeze(-2)
+        cn = cn.squeeze(-2) if cn is not None else None
+    if batch_first:
+        output = output.transpose(1, 2)
+    return (wrap(output), wrap(hn), wrap(cn)) if mode == "lstm" else (wrap(output), wrap(hn))
+
+
 def _handler(mode):
     def handler(func, args, kwargs):
         if len(args) < 3 or not isinstance(args[2], (list, tuple)):
@@ -156,6 +254,9 @@ def _handler(mode):
                 and not any(is_clone(p) for p in args[2])):
             with DisableTorchFunctionSubclass():
                 return _elman_on_blocks(mode, *args)
+        if mode in ("lstm", "gru") and is_clone(args[0]) and not kwargs and not any(is_clone(p) for p in args[2]):
+            with DisableTorchFunctionSubclass():
+                return _gated_on_blocks(mode, *args)
         return _run(mode, *args, **kwargs)
 
     return handler
