@@ -10,7 +10,7 @@ from the primal block, products by the Leibniz rule):
 * GRU: ``r = s(.), z = s(.)``, ``n = tanh(x_n + r * (h W_hn^T + b_hn))``, ``h' = (1 - z) n + z h``
 
 The Elman RNN, the LSTM and the GRU run these equations directly on the physical blocks, with hand-written
-tangents (:func:`_elman_on_blocks`, :func:`_gated_on_blocks`) when only the input carries tangents; with
+tangents (:func:`_on_blocks`) when only the input carries tangents; with
 parameter tangents every op goes through its rule. Packed sequences are not unrolled: they raise a clear error.
 """
 from __future__ import annotations
@@ -101,52 +101,6 @@ def _run(mode, input, hx, params, has_biases, num_layers, dropout, train, bidire
     return (output, hn, cn) if mode == "lstm" else (output, hn)
 
 
-def _elman_on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    """The Elman RNN (relu/tanh) written directly on the physical blocks: the same cell rules as the
-    op-by-op path (relu through its fused backward kernel, tanh linearised at the primal), without a
-    dispatch per op and step (the per-step dispatch made the op-by-op path 3-4x a fused forward)."""
-    x = input.as_subclass(torch.Tensor)  # (K, *logical)
-    if batch_first:
-        x = x.transpose(1, 2)
-    unbatched = x.dim() == 3
-    if unbatched:
-        x = x.unsqueeze(2)
-    h0 = hx.as_subclass(torch.Tensor) if is_clone(hx) else hx
-    if unbatched:
-        h0 = h0.unsqueeze(-2)
-    dirs = 2 if bidirectional else 1
-    per = len(params) // (num_layers * dirs)
-    layer_in, h_n = x, []
-    for layer in range(num_layers):
-        outs = []
-        for d in range(dirs):
-            idx, w_ih, w_hh, b_ih, b_hh, _ = _weights(params, layer, d, dirs, per, has_biases, mode)
-            h = h0[:, idx] if is_clone(hx) else h0[idx]
-            xp = F.linear(layer_in, w_ih, b_ih)  # (K, T, B, H): every step at once
-            steps = range(xp.shape[1] - 1, -1, -1) if d == 1 else range(xp.shape[1])
-            seq = [None] * xp.shape[1]
-            for t in steps:
-                pre = xp[:, t] + F.linear(h, w_hh, b_hh)
-                if mode == "rnn_relu":
-                    h = torch.ops.aten.threshold_backward(pre, pre[0].expand_as(pre), 0)
-                else:
-                    o = torch.tanh(pre[0])
-                    h = stack_blocks(o, o + (1 - o * o) * (pre[1:] - pre[0]))
-                seq[t] = h
-            outs.append(torch.stack(seq, 1))
-            h_n.append(h)
-        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
-        if dropout and train and layer < num_layers - 1:
-            keep = F.dropout(torch.ones_like(layer_in[0]), dropout, True)
-            layer_in = layer_in * keep
-    output, hn = layer_in, torch.stack(h_n, 1)
-    if unbatched:
-        output, hn = output.squeeze(2), hn.squeeze(-2)
-    if batch_first:
-        output = output.transpose(1, 2)
-    return wrap(output), wrap(hn)
-
-
 def _slope_sigmoid(p0):
     """``(sigmoid(a), sigmoid'(a))`` of a primal pre-activation."""
     sg = torch.sigmoid(p0)
@@ -193,9 +147,19 @@ def _gru_step(xp, h, w_hh, b_hh):
     return stack_blocks(h0n, h0n + dhn)
 
 
-def _gated_on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    """LSTM and GRU written directly on the physical blocks (:func:`_lstm_step`, :func:`_gru_step`): the cell
-    equations with hand-written tangents instead of one clone rule per op and step (a third of the ops)."""
+def _elman_step(pre, mode):
+    """One Elman step on physical blocks: relu through its fused backward kernel (mask of the primal block),
+    tanh linearised at the primal block."""
+    if mode == "rnn_relu":
+        return torch.ops.aten.threshold_backward(pre, pre[0].expand_as(pre), 0)
+    o = torch.tanh(pre[0])
+    return stack_blocks(o, o + (1 - o * o) * (pre[1:] - pre[0]))
+
+
+def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """The RNN, LSTM and GRU written directly on the physical blocks (:func:`_elman_step`, :func:`_lstm_step`,
+    :func:`_gru_step`): the cell equations with hand-written tangents instead of one clone rule per op and step
+    (the per-step dispatch made the op-by-op path 3-4x a fused forward for the RNN, 10-20x for the LSTM)."""
     x = input.as_subclass(torch.Tensor)  # (K, *logical)
     k = x.shape[0]
     if batch_first:
@@ -223,8 +187,10 @@ def _gated_on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, t
             for t in steps:
                 if mode == "lstm":
                     h, c = _lstm_step(xp[:, t] + F.linear(h, w_hh, b_hh), c, w_hr)
-                else:
+                elif mode == "gru":
                     h = _gru_step(xp[:, t], h, w_hh, b_hh)
+                else:
+                    h = _elman_step(xp[:, t] + F.linear(h, w_hh, b_hh), mode)
                 seq[t] = h
             outs.append(torch.stack(seq, 1))
             h_n.append(h)
@@ -250,13 +216,9 @@ def _handler(mode):
                 f"jvpreg clone mode: packed sequences in torch.{mode} are not supported; pad the batch "
                 "(torch.nn.utils.rnn.pad_packed_sequence) before the recurrent module."
             )
-        if (mode in ("rnn_relu", "rnn_tanh") and is_clone(args[0]) and not kwargs
-                and not any(is_clone(p) for p in args[2])):
+        if is_clone(args[0]) and not kwargs and not any(is_clone(p) for p in args[2]):
             with DisableTorchFunctionSubclass():
-                return _elman_on_blocks(mode, *args)
-        if mode in ("lstm", "gru") and is_clone(args[0]) and not kwargs and not any(is_clone(p) for p in args[2]):
-            with DisableTorchFunctionSubclass():
-                return _gated_on_blocks(mode, *args)
+                return _on_blocks(mode, *args)
         return _run(mode, *args, **kwargs)
 
     return handler
