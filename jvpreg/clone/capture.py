@@ -303,7 +303,12 @@ def _leaf_sig(leaf: Any, finite: Optional[bool] = None) -> Any:
     return ("const", t, leaf)
 
 
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def _autocast_state() -> Tuple[Any, ...]:
+    if not _ANY_AUTOCAST():  # one call in the usual case
+        return ()
     out = []
     for dev in ("cpu", "cuda"):
         try:
