@@ -345,13 +345,14 @@ def _phys(leaf: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _capturing(tracer: Any):
-    prev = _tensor._CAPTURING[0]
-    _tensor._CAPTURING[0] = tracer
+def _setting(cell: list, value: Any):
+    """``cell[0] = value`` inside (``tensor._CAPTURING``: the tracer; ``tensor._COMPILING``: the engine)."""
+    prev = cell[0]
+    cell[0] = value
     try:
         yield
     finally:
-        _tensor._CAPTURING[0] = prev
+        cell[0] = prev
 
 
 @contextlib.contextmanager
@@ -404,7 +405,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     def traced(*flat):
         tracer = get_proxy_mode().tracer
         _note_grad_mode(tracer)
-        with _capturing(tracer):
+        with _setting(_tensor._CAPTURING, tracer):
             new_leaves = list(leaves)
             for i, t in zip(clone_pos, flat[:n_in]):
                 old = leaves[i]
@@ -600,7 +601,8 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     else:
         leaves, in_spec = tree_flatten((args, kwargs))
     slot_values = rec.slot_values()
-    key = _key(rec, fn_key, in_spec, leaves, slot_values, finite)
+    compiled = engine == "compiled"  # its own program: rules may pick what Inductor fuses best (tensor.compiling)
+    key = _key(rec, (fn_key, "compiled") if compiled else fn_key, in_spec, leaves, slot_values, finite)
     prog = rec.programs.get(key)
     if prog is not None and prog.attrs and not all(d.get(n) is v for d, n, v in prog.attrs):
         prog = None  # a tensor attribute the program baked in was reassigned
@@ -611,7 +613,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
                      "jvpreg.clone.capture.reset(module) if they are transient"
         if not reason:
             try:
-                with functions.active(), uncompiled(module):
+                with functions.active(), uncompiled(module), _setting(_tensor._COMPILING, compiled):
                     prog = _trace(module, fn, in_spec, leaves, rec, slot_values)
             except CaptureError as err:
                 reason = str(err)

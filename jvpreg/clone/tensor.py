@@ -61,7 +61,14 @@ class CloneTensor(torch.Tensor):
 _DISPATCH: list = [None]  # set by jvpreg.clone.dispatch (which imports this module)
 _ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.functions.active)
 _CAPTURING: list = [None]  # the tracer while jvpreg.clone.capture records a clone forward, else None
+_COMPILING: list = [False]  # the capture under way is for engine="compiled"
 _SWAPPED_CLONES: list = [0]  # clone tensors now in parameter/buffer slots (put there by jvpreg.clone.swap_in)
+
+
+def compiling() -> bool:
+    """True while :mod:`jvpreg.clone.capture` records a program for ``engine="compiled"``: a rule may pick the
+    formulation Inductor fuses best over the one with the fewest ops."""
+    return _CAPTURING[0] is not None and _COMPILING[0]
 
 
 def capturing() -> bool:

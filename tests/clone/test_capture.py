@@ -391,6 +391,33 @@ def test_compiled_module_runs_its_original_code_exactly():
 
 
 @pytest.mark.slow
+def test_compiled_engine_records_its_own_program_for_recurrent_layers():
+    """The LSTM rule picks its fewest-ops form (torch's fused kernel for the primal, the tangent step by step)
+    for a replay and the per-step form (one kernel chain Inductor fuses) for engine='compiled': two programs,
+    the same JVP."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(3, 4)
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    model = Net().to(D)
+    x, u = randn(4, 2, 3), randn(4, 2, 3)
+    _, t = jvpreg.jvp(model, (x,), (u,), engine="captured")
+    _, tc = jvpreg.jvp(model, (x,), (u,), engine="compiled")
+    _, ref = torch.func.jvp(model, (x,), (u,))
+    torch.testing.assert_close(t, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(tc, ref, rtol=1e-10, atol=1e-12)
+    lstm_ops = [sum(n.target is torch.ops.aten.lstm.input for n in p.gm.graph.nodes)
+                for p in capture.programs(model).values()]
+    assert sorted(lstm_ops) == [0, 1]
+
+
+@pytest.mark.slow
 def test_compiled_engine_equals_captured():
     """engine='compiled': the captured program under torch.compile (Inductor) gives the same JVP and gradients."""
     torch.manual_seed(0)

@@ -22,7 +22,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from ..dispatch import UnsupportedOpError
 from ..registry import register_handler
-from ..tensor import is_clone, stack_blocks, wrap
+from ..tensor import compiling, is_clone, stack_blocks, wrap
 
 
 def _cell(mode, x_proj, h, w_hh, b_hh, w_hr=None):
@@ -156,6 +156,87 @@ def _elman_step(pre, mode):
     return stack_blocks(o, o + (1 - o * o) * (pre[1:] - pre[0]))
 
 
+def _lstm_layer(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, reverse):
+    """One LSTM layer and direction on physical blocks (``x``: ``(K, T, B, F)``, ``h``, ``c``: ``(K, B, .)``):
+    the primal by torch's fused kernel, its gates for every step in two products, and only the tangent run step
+    by step, ``dg_t = dX_t + dh_{t-1} W_hh^T``, ``dc_t = [A_i, A_f, A_g] . dg_t + s(f_t) dc_{t-1}``,
+    ``dh_t = A_o do_t + s(o_t) tanh'(c_t) dc_t`` with the slopes ``A`` of every step computed at once."""
+    if reverse:
+        x = x.flip(1)
+    x0, h0, c0 = x[0], h[0], c[0]
+    weights = [w for w in (w_ih, w_hh, b_ih, b_hh, w_hr) if w is not None]
+    out0, hT, cT = torch.lstm(x0, (h0[None], c0[None]), weights, b_ih is not None, 1, 0.0, False, False, False)
+    hs = torch.cat([h0[None], out0[:-1]])                                        # h_{t-1}, every step
+    gates = F.linear(x0, w_ih, b_ih) + F.linear(hs, w_hh, b_hh)                   # (T, B, 4H)
+    sg = torch.sigmoid(gates)
+    si, sf, _, so = sg.chunk(4, -1)
+    hid = c0.shape[-1]
+    tg = torch.tanh(gates[..., 2 * hid:3 * hid])
+    itg = si * tg
+    cs, cc = [], c0
+    sfs = sf.unbind(0)
+    for itg_t, sf_t in zip(itg.unbind(0), sfs):  # the primal cell states (the fused kernel keeps them to itself)
+        cc = torch.addcmul(itg_t, sf_t, cc)
+        cs.append(cc)
+    c_seq = torch.stack(cs)
+    c_prev = torch.cat([c0[None], c_seq[:-1]])
+    tc = torch.tanh(c_seq)
+    dsg = sg * (1 - sg)
+    dsi, dsf, _, dso = dsg.chunk(4, -1)
+    slopes = torch.cat([dsi * tg, dsf * c_prev, si * (1 - tg * tg), dso * tc], -1)  # per gate, every step
+    carry = so * (1 - tc * tc)
+    dx = F.linear(x[1:] - x0, w_ih)                                              # (K-1, T, B, 4H)
+    dh, dc = h[1:] - h0, c[1:] - c0
+    dhs = []
+    for dx_t, slope_t, sf_t, carry_t in zip(dx.unbind(1), slopes.unbind(0), sfs, carry.unbind(0)):
+        m = (dx_t + F.linear(dh, w_hh)) * slope_t
+        mi, mf, mg, mo = m.chunk(4, -1)
+        dc = torch.addcmul(mi + mf + mg, sf_t, dc)
+        dh = torch.addcmul(mo, carry_t, dc)
+        if w_hr is not None:
+            dh = F.linear(dh, w_hr)
+        dhs.append(dh)
+    out = stack_blocks(out0, out0 + torch.stack(dhs, 1))
+    if reverse:
+        out = out.flip(1)
+    return out, stack_blocks(hT[0], hT[0] + dh), stack_blocks(cT[0], cT[0] + dc)
+
+
+def _gru_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
+    """One GRU layer and direction on physical blocks, as :func:`_lstm_layer`: the primal by torch's fused kernel,
+    ``r, z, n`` of every step at once, then only the tangent step by step: ``dr, dz = s'(.) (dX_{r,z} + dh W_{h r,z}^T)``,
+    ``dn = tanh'(.) (dX_n + dr (h W_hn^T + b_hn) + r (dh W_hn^T))``, ``dh' = dz (h - n) + (1 - z) dn + z dh``."""
+    if reverse:
+        x = x.flip(1)
+    x0, h0 = x[0], h[0]
+    weights = [w for w in (w_ih, w_hh, b_ih, b_hh) if w is not None]
+    out0, hT = torch.gru(x0, h0[None], weights, b_ih is not None, 1, 0.0, False, False, False)
+    hs = torch.cat([h0[None], out0[:-1]])
+    gx, gh = F.linear(x0, w_ih, b_ih), F.linear(hs, w_hh, b_hh)                  # (T, B, 3H)
+    hid = h0.shape[-1]
+    rz = torch.sigmoid(gx[..., :2 * hid] + gh[..., :2 * hid])
+    r, z = rz[..., :hid], rz[..., hid:]
+    ghn = gh[..., 2 * hid:]
+    n = torch.tanh(gx[..., 2 * hid:] + r * ghn)
+    drz, dn0, hmn, omz = rz * (1 - rz), 1 - n * n, hs - n, 1 - z
+    dx = F.linear(x[1:] - x0, w_ih)                                              # (K-1, T, B, 3H)
+    dh = h[1:] - h0
+    dhs = []
+    per_step = (dx.unbind(1), drz.unbind(0), r.unbind(0), ghn.unbind(0), dn0.unbind(0), hmn.unbind(0),
+                omz.unbind(0), z.unbind(0))
+    for dx_t, drz_t, r_t, ghn_t, dn0_t, hmn_t, omz_t, z_t in zip(*per_step):
+        dgh = F.linear(dh, w_hh)
+        drz_s = (dx_t[..., :2 * hid] + dgh[..., :2 * hid]) * drz_t
+        dr, dz = drz_s[..., :hid], drz_s[..., hid:]
+        dn = torch.addcmul(torch.addcmul(dx_t[..., 2 * hid:], r_t, dgh[..., 2 * hid:]), dr, ghn_t) * dn0_t
+        dh = torch.addcmul(torch.addcmul(dz * hmn_t, omz_t, dn), z_t, dh)
+        dhs.append(dh)
+    out = stack_blocks(out0, out0 + torch.stack(dhs, 1))
+    if reverse:
+        out = out.flip(1)
+    return out, stack_blocks(hT[0], hT[0] + dh)
+
+
 def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """The RNN, LSTM and GRU written directly on the physical blocks (:func:`_elman_step`, :func:`_lstm_step`,
     :func:`_gru_step`): the cell equations with hand-written tangents instead of one clone rule per op and step
@@ -181,10 +262,19 @@ def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, 
             idx, w_ih, w_hh, b_ih, b_hh, w_hr = _weights(params, layer, d, dirs, per, has_biases, mode)
             h = phys[0][:, idx]
             c = phys[1][:, idx] if mode == "lstm" else None
+            if mode in ("lstm", "gru") and not compiling():  # fewest ops; Inductor fuses the per-step form better
+                if mode == "lstm":
+                    seq, h, c = _lstm_layer(layer_in, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, d == 1)
+                else:
+                    seq, h = _gru_layer(layer_in, h, w_ih, w_hh, b_ih, b_hh, d == 1)
+                outs.append(seq)
+                h_n.append(h)
+                c_n.append(c)
+                continue
             xp = F.linear(layer_in, w_ih, b_ih)  # (K, T, B, G): every step at once
             steps = range(xp.shape[1] - 1, -1, -1) if d == 1 else range(xp.shape[1])
             seq = [None] * xp.shape[1]
-            for t in steps:
+            for t in steps:  # the per-step form
                 if mode == "lstm":
                     h, c = _lstm_step(xp[:, t] + F.linear(h, w_hh, b_hh), c, w_hr)
                 elif mode == "gru":
