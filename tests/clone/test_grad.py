@@ -295,3 +295,35 @@ def test_rules_keep_no_more_than_their_extra_blocks_for_backward(layer, extra_bl
     clone = saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
     block = 5 * 16 * 8
     assert clone <= plain + extra_blocks * block + block // 8 + 16 * 8 + 8, (clone, plain)
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_attention_keeps_the_value_blocks_not_the_packed_qkv_projection(engine):
+    """MultiheadAttention's q, k, v are views of one packed projection: the attention rule's product with the
+    value blocks must save a copy of those, not a view that keeps the whole (K, 3E) projection alive."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).to(D)
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    model = SelfAttention()
+    x, u = torch.randn(3, 5, 16, dtype=D), torch.randn(3, 5, 16, dtype=D)
+    _, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+    with sdpa_kernel(SDPBackend.MATH):
+        torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1])
+    sizes = []
+
+    def pack(tensor):
+        sizes.append(tensor.untyped_storage().nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        jvpreg.jvp(model, (x,), (u,), engine=engine)
+    packed = 2 * 3 * 16 * 3 * 5 * 8  # K blocks x (q, k, v) x E x B x T float64
+    assert packed not in sizes, sorted(set(sizes))

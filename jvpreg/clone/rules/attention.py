@@ -29,13 +29,24 @@ def _repeat_kv(t, n_rep):
     return t if n_rep == 1 or t is None else t.repeat_interleave(n_rep, dim=-3)
 
 
+def _owned(t):
+    """``t``, or under autograd a copy of it when it is a view into a larger tensor (the value blocks of a packed
+    q/k/v projection): what a product saves for backward then keeps only these blocks alive."""
+    if torch.is_grad_enabled() and t.requires_grad and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 @register_rule(F.scaled_dot_product_attention)
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """SDPA linearised at the primal block (formula in the module docstring)."""
     q, k = (kept_primal(t) if is_clone(t) else t for t in (query, key))
-    v = _primal(value)  # a view: the product with every value block keeps the whole value for backward anyway
-    if is_clone(value) and not varies(value):
+    vary = varies(value)
+    if vary:  # the product with every value block keeps them for backward: v is a view of them
+        value = _owned(value)
+    v = value[0] if vary else _primal(value)
+    if is_clone(value) and not vary:
         v = kept_primal(value)
     m = _primal(attn_mask)
     dq, dk, dm = _delta(query), _delta(key), _delta(attn_mask)
@@ -67,7 +78,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if ds is not None:  # dP = P * (dS - sum(P * dS)): softmax's backward kernel (its Jacobian is symmetric)
         dp = each_block(lambda b: torch.ops.aten._softmax_backward_data(b.expand_as(p), p, -1, p.dtype), ds)
         dpv = (dp if keep is None else dp * keep) @ v
-    if varies(value):  # [(P M) v; (P M) z_j]: the primal and the value's tangent in one product
+    if vary:  # [(P M) v; (P M) z_j]: the primal and the value's tangent in one product
         out = pd @ _repeat_kv(value, n_rep)
         return out if dpv is None else stack_blocks(out[0], out[1:] + dpv)
     out_a = pd @ v
