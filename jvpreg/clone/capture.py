@@ -28,11 +28,18 @@ tracked physical tensor (:func:`jvpreg.clone.tensor.track`).
 Guards (checked on every call, cheaply): the call's pytree structure and every tensor's shape, dtype,
 device, ``requires_grad``, block count and, on the CPU, whether its values are finite (the program drops
 the non-finite fix where no infinity can reach it: :mod:`jvpreg.clone.passes`); identity of every
-parameter and buffer (a replaced tensor recaptures; a clone parameter is matched by its metadata); every
-submodule's ``training`` flag and its children (a swapped submodule recaptures); plain tensor attributes
-of the modules that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad
-mode, autocast state and the fallback mode. A changed guard captures a new program (up to
-:data:`MAX_PROGRAMS` per module).
+parameter and buffer (a replaced tensor recaptures; a clone parameter, put in by
+:func:`jvpreg.clone.swapped_tensors`, is matched by its metadata); every submodule's ``training`` flag and
+its children (a swapped submodule recaptures), except on torch.nn leaves whose forward reads neither
+(``Linear``, ``ReLU``, ...: a third to a half of the guard's cost); plain tensor attributes of the modules
+that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode, autocast
+state, the fallback mode and the engine (``"compiled"`` records its own program). Forward hooks are
+rescanned whenever torch's hook-handle counter moved: a hook registered after a capture sends the module to
+eager clone mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
+
+Measured cost of the guard on a cold cache (a replay follows other work, as in training): about 25 µs for
+a 20-layer MLP, 200 µs for MobileNetV3-small (209 modules, 278 tensors); the guard touches every module
+it guards, so it grows with the module count, not with the batch.
 
 Limits (each falls back to eager clone mode with a warning, never a wrong answer):
 * Python control flow on tensor values; custom ``autograd.Function`` s on plain tensors under
@@ -44,6 +51,8 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
 * Parameters and buffers are checked for infinities once, at capture: one that turns non-finite later
   (a diverged run) gives NaN tangents where the non-finite fix would give 0 (loud, never a wrong finite
   value); :func:`reset` recaptures.
+* The set of parameter and buffer names is read at the first call: a parameter *registered* later on an
+  existing module (not a replaced one) is not seen until :func:`reset`.
 """
 from __future__ import annotations
 
