@@ -202,6 +202,25 @@ def _lstm_layer(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, reverse):
     return out, stack_blocks(hT[0], hT[0] + dh), stack_blocks(cT[0], cT[0] + dc)
 
 
+def _elman_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
+    """One tanh RNN layer and direction on physical blocks, as :func:`_lstm_layer`: the primal by torch's fused
+    kernel, then only the tangent step by step, ``dh_t = (1 - h_t^2) (dX_t + dh_{t-1} W_hh^T)``."""
+    if reverse:
+        x = x.flip(1)
+    x0, h0 = x[0], h[0]
+    weights = [w for w in (w_ih, w_hh, b_ih, b_hh) if w is not None]
+    out0, hT = torch.rnn_tanh(x0, h0[None], weights, b_ih is not None, 1, 0.0, False, False, False)
+    dx = F.linear(x[1:] - x0, w_ih)                                              # (K-1, T, B, H)
+    dh, dhs = h[1:] - h0, []
+    for dx_t, slope_t in zip(dx.unbind(1), (1 - out0 * out0).unbind(0)):
+        dh = (dx_t + F.linear(dh, w_hh)) * slope_t
+        dhs.append(dh)
+    out = stack_blocks(out0, out0 + torch.stack(dhs, 1))
+    if reverse:
+        out = out.flip(1)
+    return out, stack_blocks(hT[0], hT[0] + dh)
+
+
 def _gru_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
     """One GRU layer and direction on physical blocks, as :func:`_lstm_layer`: the primal by torch's fused kernel,
     ``r, z, n`` of every step at once, then only the tangent step by step: ``dr, dz = s'(.) (dX_{r,z} + dh W_{h r,z}^T)``,
@@ -262,11 +281,15 @@ def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, 
             idx, w_ih, w_hh, b_ih, b_hh, w_hr = _weights(params, layer, d, dirs, per, has_biases, mode)
             h = phys[0][:, idx]
             c = phys[1][:, idx] if mode == "lstm" else None
-            if mode in ("lstm", "gru") and not compiling():  # fewest ops; Inductor fuses the per-step form better
+            # fewest ops: the fused primal and a tangent-only recurrence, except for the relu RNN, whose per-step
+            # form is already three kernels (one product for every block); Inductor fuses the per-step form better
+            if mode != "rnn_relu" and not compiling():
                 if mode == "lstm":
                     seq, h, c = _lstm_layer(layer_in, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, d == 1)
-                else:
+                elif mode == "gru":
                     seq, h = _gru_layer(layer_in, h, w_ih, w_hh, b_ih, b_hh, d == 1)
+                else:
+                    seq, h = _elman_layer(layer_in, h, w_ih, w_hh, b_ih, b_hh, d == 1)
                 outs.append(seq)
                 h_n.append(h)
                 c_n.append(c)
