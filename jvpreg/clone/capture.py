@@ -165,8 +165,8 @@ class _Program:
     out_pairs: bool = False             # the output is a flat tuple of plain tensors (no rebuild needed)
 
 
-def _stateless_forwards() -> frozenset:
-    """``forward`` functions of torch.nn modules that neither read ``self.training`` nor call a submodule
+def _stateless_types() -> frozenset:
+    """torch.nn module classes whose forward neither reads ``self.training`` nor calls a submodule
     (checked against torch's sources: only RReLU, MultiheadAttention and the dropout, batch-norm,
     instance-norm, RNN and transformer modules read ``training`` in ``torch/nn/modules``)."""
     names = """Linear Bilinear Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspose2d ConvTranspose3d ReLU ReLU6 LeakyReLU
@@ -176,15 +176,16 @@ def _stateless_forwards() -> frozenset:
         LayerNorm GroupNorm RMSNorm LocalResponseNorm Embedding Upsample PixelShuffle PixelUnshuffle ZeroPad1d
         ZeroPad2d ZeroPad3d ConstantPad1d ConstantPad2d ConstantPad3d ReflectionPad1d ReflectionPad2d
         ReflectionPad3d ReplicationPad1d ReplicationPad2d ReplicationPad3d ChannelShuffle""".split()
-    return frozenset(getattr(nn, n).forward for n in names if hasattr(nn, n))
+    return frozenset(getattr(nn, n) for n in names if hasattr(nn, n))
 
 
-_STATELESS = _stateless_forwards()
+_STATELESS = _stateless_types()
 
 
 def _stateless_leaf(m: nn.Module) -> bool:
-    """A torch.nn leaf whose forward ignores ``training`` and submodules: its flag and children need no guard."""
-    return not m._modules and getattr(type(m), "forward", None) in _STATELESS
+    """A torch.nn leaf whose forward ignores ``training`` and submodules: its flag and children need no guard.
+    The class itself, not a subclass (one may read ``training`` in a method the forward calls)."""
+    return type(m) in _STATELESS and not m._modules
 
 
 @dataclass

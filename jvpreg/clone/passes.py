@@ -96,7 +96,10 @@ def _contiguous_first(graph: torch.fx.Graph) -> None:
         hv, cv = (n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (h, c))
         if not (isinstance(hv, torch.Tensor) and isinstance(cv, torch.Tensor)):
             continue
-        if hv.shape == cv.shape and hv.dtype == cv.dtype and not hv.is_contiguous() and cv.is_contiguous():
+        # only a view with its last dim innermost (batch/sequence dims swapped): a channels-last tensor keeps
+        # its layout, which the plain forward's kernels (BatchNorm's statistics included) follow
+        if hv.shape == cv.shape and hv.dtype == cv.dtype and not hv.is_contiguous() and cv.is_contiguous() \
+                and hv.dim() > 0 and hv.stride(-1) == 1:
             node.args = (c, h)
 
 

@@ -274,11 +274,15 @@ def test_training_flags_guarded_except_on_stateless_torch_leaves():
         def forward(self, x):
             return self.lin(x) * (2.0 if self.training else 1.0)
 
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Dropout(0.5), nn.BatchNorm1d(4), User()).to(D).train()
+    class SubLinear(nn.Linear):  # a subclass may read the flag in a method the inherited forward calls
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Dropout(0.5), nn.BatchNorm1d(4), User(),
+                          SubLinear(4, 4)).to(D).train()
     x, u = randn(3, 4), randn(3, 4)
     jvpreg.jvp(model, (x,), (u,))
     flagged = capture._RECORDS[model].flagged
-    assert {type(m) for m in flagged} == {nn.Sequential, nn.Dropout, nn.BatchNorm1d, User}
+    assert {type(m) for m in flagged} == {nn.Sequential, nn.Dropout, nn.BatchNorm1d, User, SubLinear}
     model[4].eval()  # only the user module: recaptures, and the flag's branch is taken
     model[2].eval()
     with torch.no_grad():

@@ -166,16 +166,23 @@ def test_fix_kept_when_its_output_is_written_in_place_and_the_difference_read_el
 
 
 def test_contiguous_operand_goes_first_so_the_sum_is_contiguous():
-    """``h.transpose + c``: the pass puts ``c`` first, the result is contiguous (LayerNorm then copies nothing);
-    mixed shapes or dtypes are left alone."""
-    def f(h, c, v):
-        return torch.layer_norm(h.transpose(1, 2) + c, (4,)) + (h.transpose(1, 2) * v)
+    """``h.transpose(0, 1) + c`` (leading dims swapped, as an attention output plus its residual): the pass puts
+    ``c`` first, the result is contiguous (LayerNorm then copies nothing). A view whose last dim is not innermost
+    (channels-last) keeps its layout; broadcasting operands are left alone."""
+    def f(h, c, v, w):
+        s = h.transpose(0, 1) + c
+        return torch.layer_norm(s, (4,)) + (h.transpose(0, 1) * v) + (w.transpose(1, 2) + c)
 
-    h, c, v = torch.randn(2, 4, 3, dtype=D), torch.randn(2, 3, 4, dtype=D), torch.randn(4, dtype=D)
-    gm = make_fx(f, tracing_mode="real", pre_dispatch=True)(h, c, v)
+    h, c = torch.randn(3, 2, 4, dtype=D), torch.randn(2, 3, 4, dtype=D)
+    v, w = torch.randn(4, dtype=D), torch.randn(2, 4, 3, dtype=D)
+    gm = make_fx(f, tracing_mode="real", pre_dispatch=True)(h, c, v, w)
     passes.optimize(gm, ())
-    add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
-    assert add.args[0].target is not aten.transpose.int and gm(h, c, v).is_contiguous()
+    adds = [n for n in gm.graph.nodes if n.target is aten.add.Tensor and
+            any(isinstance(a, torch.fx.Node) and a.target is aten.transpose.int for a in n.args)]
+    swapped = [n for n in adds if n.args[1].target is aten.transpose.int]
+    kept = [n for n in adds if n.args[0].target is aten.transpose.int]
+    assert [n.args[1].args[0].name for n in swapped] == ["h_1"], gm.code  # h's view went second
+    assert [n.args[0].args[0].name for n in kept] == ["w_1"], gm.code     # w's view (last dim moved) stayed first
     mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
     assert mul.args[0].target is aten.transpose.int  # v broadcasts: not swapped
-    check(f, h, c, v)
+    check(f, h, c, v, w)
