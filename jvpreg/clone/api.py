@@ -179,11 +179,19 @@ def primal_of(out: Any) -> Any:
     return tree_map(lambda l: l.as_subclass(torch.Tensor)[0] if is_clone(l) else l, out)
 
 
+_COMPLEX = ("{where}: {what} has dtype {dtype}; clone mode supports real floating-point tensors only (its rules "
+            "linearise real functions: tanh, sigmoid and products would give wrong complex tangents). Use "
+            "torch.func.jvp for complex inputs, or pass the real and imaginary parts (torch.view_as_real) as "
+            "real tensors.")
+
+
 def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{where}: expected primals to be a tuple of tensors, got {type(p).__name__} at index {i}. "
                         "E.g. it should be valid to call f(*primals).")
-    if not (p.is_floating_point() or p.is_complex()):
+    if p.is_complex():
+        raise TypeError(_COMPLEX.format(where=where, what=f"primals[{i}]", dtype=p.dtype))
+    if not p.is_floating_point():
         raise TypeError(f"{where}: primals[{i}] has dtype {p.dtype}; JVPs need floating-point primals.")
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: expected tangents to be a tuple of tensors, got {type(t).__name__} at index {i}.")
@@ -410,6 +418,8 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
     params = _lookup_params(module, param_tangents, where)
     ks = set()
     for name, p in params.items():
+        if p.is_complex():
+            raise TypeError(_COMPLEX.format(where=where, what=f"parameter {name!r}", dtype=p.dtype))
         u = param_tangents[name]
         got = tuple(u.shape[1:]) if batched_tangents else tuple(u.shape)
         if not isinstance(u, torch.Tensor) or got != tuple(p.shape):

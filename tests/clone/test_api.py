@@ -225,6 +225,11 @@ JVP_ERRORS = [
      "match": WHERE + r"primals\[0\] has dtype torch\.int64; JVPs need floating-point primals"},
     {"id": "bool-primal", "args": (torch.sin, (torch.zeros(3, dtype=torch.bool),), (torch.zeros(3),)),
      "kwargs": {}, "error": TypeError, "match": WHERE + r"primals\[0\] has dtype torch\.bool"},
+    # complex: the rules linearise real functions (tanh, sigmoid, products gave wrong tangents, 4.4 off for tanh)
+    {"id": "complex-primal", "args": (torch.tanh, (torch.zeros(3, dtype=torch.complex128),),
+                                      (torch.zeros(3, dtype=torch.complex128),)),
+     "kwargs": {}, "error": TypeError,
+     "match": WHERE + r"primals\[0\] has dtype torch\.complex128; clone mode supports real floating-point"},
     {"id": "has_aux-without-tuple", "args": (torch.sin, (X,), (X,)), "kwargs": {"has_aux": True},
      "error": TypeError, "match": WHERE + r"has_aux=True expects func to return a \(output, aux\) tuple"},
 ] + [
