@@ -364,6 +364,8 @@ def _bounded(node: torch.fx.Node) -> bool:
         return False
     name = target._schema.name.split("::")[-1]
     if name in ("hardtanh", "clamp"):  # hardtanh's default bounds are -1, 1; clamp needs both bounds
+        if node.kwargs:
+            return False  # bounds given by keyword: not read here, so not known finite
         bounds = list(node.args[1:3]) + [-1.0, 1.0][len(node.args) - 1:] if name == "hardtanh" else node.args[1:3]
         return len(bounds) == 2 and all(isinstance(v, (int, float)) and math.isfinite(v) for v in bounds)
     return name in _BOUNDED_OPS

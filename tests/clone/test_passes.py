@@ -186,3 +186,14 @@ def test_contiguous_operand_goes_first_so_the_sum_is_contiguous():
     mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
     assert mul.args[0].target is aten.transpose.int  # v broadcasts: not swapped
     check(f, h, c, v, w)
+
+
+@pytest.mark.parametrize("args, kwargs, bounded", [
+    ((), {}, True), ((-2.0, 2.0), {}, True), ((-float("inf"), 1.0), {}, False),
+    ((), {"min_val": -float("inf"), "max_val": 1.0}, False),  # keyword bounds are not read: not known bounded
+])
+def test_hardtanh_is_bounded_only_with_finite_known_bounds(args, kwargs, bounded):
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(aten.hardtanh.default, (x, *args), kwargs)
+    assert passes._bounded(node) == bounded
