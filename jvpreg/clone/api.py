@@ -31,13 +31,10 @@ _R_DEFAULT = 2.0 ** 20
 _R_HALF = 2.0 ** 2
 
 
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
-
-
 def _ratio(dtype: torch.dtype, device_type: str) -> float:
     if dtype == torch.float16:
         return _R_HALF
-    if not _ANY_AUTOCAST():
+    if not capture._ANY_AUTOCAST():  # one call in the usual case
         return _R_DEFAULT
     try:
         if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
