@@ -70,7 +70,7 @@ def _orig(cls, *args, **kwargs):
 
 def _apply(cls, *args, **kwargs):
     if next(iter_clones((args, kwargs)), None) is None:
-        if _CAPTURING[0] is not None and torch.is_grad_enabled():
+        if _CAPTURING[0] is not None and torch.is_grad_enabled() and not _operator_autograd(cls):
             from .capture import CaptureError
 
             raise CaptureError(f"the custom autograd.Function {cls.__qualname__} runs on plain tensors (its "
@@ -82,6 +82,12 @@ def _apply(cls, *args, **kwargs):
     for leaf in iter_clones(out):
         leaf._jvp_routed = True
     return out
+
+
+def _operator_autograd(cls: type) -> bool:
+    """``cls`` is the Function that ``torch.library.register_autograd`` made for an operator: the tracer records
+    the operator as one node (:mod:`jvpreg.clone.kernels`), whose replay runs this backward again."""
+    return cls.__module__ == "torch._library.autograd"
 
 
 def _install() -> None:

@@ -324,9 +324,9 @@ def _stack_unsqueezed_cats(graph: torch.fx.Graph) -> None:
 
 # Ops whose floating outputs are finite when their tensor inputs and number arguments are (up to
 # overflow, where a difference ``inf - inf`` gives NaN: loud, never a wrong finite value; an ``empty``
-# tensor is written before it is read). In-place
-# (``relu_``) and out= overloads are covered by their names. Anything else can make an infinity that
-# every block shares (``log(0)``, ``1 / 0``, ``masked_fill(m, -inf)``), so its output counts as non-finite.
+# tensor is written before it is read). In-place (``relu_``) and out= overloads are covered by their names;
+# so are :mod:`jvpreg.clone.kernels`' operators. Anything else can make an infinity that every block shares
+# (``log(0)``, ``1 / 0``, ``masked_fill(m, -inf)``), so its output counts as non-finite.
 _FINITE_OPS = frozenset("""
     linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution _convolution
     matmul mm bmm addmm addmv addbmm baddbmm mv dot einsum bilinear
@@ -351,6 +351,7 @@ _FINITE_OPS = frozenset("""
     zeros zeros_like ones ones_like full full_like scalar_tensor arange new_zeros new_ones new_full fill
     bernoulli uniform normal rand rand_like randn randn_like randint randperm
     empty empty_like new_empty empty_strided
+    relu_blocks batch_norm_tangent
 """.split())
 
 
@@ -449,7 +450,8 @@ def _floating(val: Any) -> bool:
 
 def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool]) -> Dict[torch.fx.Node, bool]:
     """For each node: can its value hold an infinity that does not come from overflow? ``{}`` when an
-    in-place write could put one into a tensor already marked finite (the analysis then gives up)."""
+    in-place write could put one into a tensor already marked finite (the analysis then gives up; a write into
+    a tensor already counted as possibly infinite, such as BatchNorm's running statistics, changes nothing)."""
     inf: Dict[torch.fx.Node, bool] = {}
     i = 0
     for node in gm.graph.nodes:
@@ -469,10 +471,21 @@ def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool]) ->
                 inf[node] = inf.get(part, True)
                 continue
             inf[node] = not _bounded(node) and (_makes_infinity(node) or any(inf.get(n, True) for n in inputs))
-            target = node.target
-            if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable and inf[node]:
+            if inf[node] and any(not inf.get(w, True) for w in _written(node)):
                 return {}
     return inf
+
+
+def _written(node: torch.fx.Node):
+    """The argument nodes an aten op writes into (its schema's ``Tensor(a!)`` arguments)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                yield value
 
 
 _MASKED_FILL = torch.ops.aten.masked_fill.Scalar

@@ -172,7 +172,10 @@ def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:
 
 
 def raw(x: torch.Tensor) -> torch.Tensor:
-    """The physical ``(K, *L)`` tensor of a clone as a plain tensor (a view, no copy)."""
+    """The physical ``(K, *L)`` tensor of a clone as a plain tensor (a view, no copy); a plain tensor itself
+    (a new alias of it would be invisible to a capture's tracer, so recorded as a constant)."""
+    if type(x) is torch.Tensor:
+        return x
     with DisableTorchFunctionSubclass():
         return x.as_subclass(torch.Tensor)
 

@@ -273,7 +273,8 @@ def test_train_batchnorm_keeps_a_primal_copy_not_the_2b_input(engine):
     plain = saved_bytes(lambda: model(torch.cat([x, x])))
     clone = saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
     block = 4 * 8 * 6 * 6 * 8
-    assert clone <= plain + block + 2 * 8 * 8 + 8, (clone, plain)  # + relu(a), + mean/invstd, + the scale
+    # + relu(a), + per-channel vectors (statistics; the tangent's sums sum(d), sum(d xhat)), + the scale
+    assert clone <= plain + block + 4 * 8 * 8 + 8, (clone, plain)
 
 
 @pytest.mark.parametrize("engine", ["eager", "captured"])
@@ -295,6 +296,30 @@ def test_rules_keep_no_more_than_their_extra_blocks_for_backward(layer, extra_bl
     clone = saved_bytes(lambda: jvpreg.jvp(model, (x,), (u,), engine=engine))
     block = 5 * 16 * 8
     assert clone <= plain + extra_blocks * block + block // 8 + 16 * 8 + 8, (clone, plain)
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_large_relu_keeps_a_bool_block(engine, inplace):
+    """From BOOL_MASK_NUMEL elements per block, relu keeps its pattern as bools (one byte per entry), so a relu
+    network saves 2x the plain forward's bytes plus an eighth of a float64 block, not 2x plus a block."""
+    from jvpreg.clone.rules.cpa import BOOL_MASK_NUMEL
+
+    torch.manual_seed(0)
+    width = BOOL_MASK_NUMEL // 4
+    model = nn.Sequential(nn.Linear(8, width), nn.ReLU(inplace=inplace), nn.Linear(width, 4)).to(D)
+    x, u = torch.randn(4, 8, dtype=D), torch.randn(4, 8, dtype=D)
+    xg = x.clone().requires_grad_()
+    _, t = jvpreg.jvp(model, (xg,), (u,), engine=engine)  # (captures)
+    torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1])
+    plain = saved_bytes(lambda: model(torch.cat([xg, xg])))
+    clone = saved_bytes(lambda: jvpreg.jvp(model, (xg,), (u,), engine=engine))
+    bools = 4 * width  # one byte per entry of a block (a float64 block: 8)
+    assert clone <= plain + 2 * bools + 8, (clone, plain)  # + the bool pattern (+ the eager nan mask), the scale
+    t = jvpreg.jvp(model, (xg,), (u,), engine=engine)[1]
+    (g,) = torch.autograd.grad(t.pow(2).sum(), xg)
+    (want,) = torch.autograd.grad(torch.func.jvp(model, (xg,), (u,))[1].pow(2).sum(), xg)
+    torch.testing.assert_close(g, want)
 
 
 @pytest.mark.parametrize("engine", ["eager", "captured"])

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import register_rule
-from ..tensor import (block_delta, delta_blocks, each_block, is_clone, kept_primal, primal_block, stack_blocks,
-                      tile, varies)
+from ..kernels import batch_norm_tangent
+from ..tensor import (CloneTensor, block_delta, compiling, delta_blocks, each_block, is_clone, kept_primal,
+                      primal_block, raw, stack_blocks, tile, varies)
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -111,12 +112,26 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     # input for backward: a copy of the primal block under autograd (kept_primal).
     if is_clone(input):
         a = kept_primal(input)
-    out_a = F.batch_norm(a, running_mean, running_var, w0, b0, True, 0.0 if momentum is None else momentum, eps)
-    with torch.no_grad():
-        a32 = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a  # the kernel's statistics dtype
-        var, mean = torch.var_mean(a32, dim=(0,) + tuple(range(2, a.dim())), correction=0)
-        invstd = torch.rsqrt(var + eps)
+    momentum = 0.0 if momentum is None else momentum
+    if a.device.type == "cpu" and (w0 is None or w0.dtype == a.dtype):
+        # the kernel F.batch_norm runs on the CPU, called for its statistics too (a separate var_mean: 3x its time)
+        out_a, mean, invstd = torch.ops.aten.native_batch_norm(a, w0, b0, running_mean, running_var, True,
+                                                               momentum, eps)
+        mean, invstd = mean.detach(), invstd.detach()
+    else:  # cuDNN's kernel on a GPU (its statistics are not returned the same way everywhere)
+        out_a = F.batch_norm(a, running_mean, running_var, w0, b0, True, momentum, eps)
+        with torch.no_grad():
+            a32 = a.float() if a.dtype in (torch.float16, torch.bfloat16) else a  # the kernel's statistics dtype
+            var, mean = torch.var_mean(a32, dim=(0,) + tuple(range(2, a.dim())), correction=0)
+            invstd = torch.rsqrt(var + eps)
     return _bn_tangents(input, a, out_a, mean, invstd, weight, bias, eps, ch)
+
+
+def _written_out_backward(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Use :func:`jvpreg.clone.kernels.batch_norm_tangent` (its backward written out): under autograd, on plain
+    float32/64 tensors, when not compiling (Inductor differentiates the kernel's decomposition itself)."""
+    return (torch.is_grad_enabled() and type(x) in (torch.Tensor, CloneTensor) and x.requires_grad
+            and a.dtype in (torch.float32, torch.float64) and not compiling())
 
 
 def _bn_tangents(x, a, out_a, mean, invstd, weight, bias, eps, ch):
@@ -124,14 +139,13 @@ def _bn_tangents(x, a, out_a, mean, invstd, weight, bias, eps, ch):
     w0 = _primal(weight)
     k = next(t.shape[0] for t in (x, weight, bias) if is_clone(t))
     d = _delta(x, nonfinite=False)
-    tans = []
-    for j in range(k - 1):
-        t = out_a
-        if d is not None:
-            t = t + torch.ops.aten.native_batch_norm_backward(
-                d[j], a, w0, None, None, mean, invstd, True, eps, [True, False, False])[0]
-        tans.append(t)
-    tan = torch.stack(tans)
+    if d is None:
+        tan = out_a.unsqueeze(0).expand(k - 1, *out_a.shape)
+    elif _written_out_backward(x, a):
+        tan = out_a + batch_norm_tangent(raw(d), a, w0, mean, invstd, eps)[0]
+    else:
+        tan = torch.stack([out_a + torch.ops.aten.native_batch_norm_backward(
+            d[j], a, w0, None, None, mean, invstd, True, eps, [True, False, False])[0] for j in range(k - 1)])
     if varies(weight) or varies(bias):
         # differentiable statistics here (the kernel's saved mean/invstd carry no gradient)
         dims = (0,) + tuple(range(2, a.dim()))

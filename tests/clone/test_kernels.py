@@ -1,0 +1,90 @@
+"""The operators of :mod:`jvpreg.clone.kernels`: values and written-out backwards against autograd in float64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jvpreg.clone import kernels
+
+D = torch.float64
+EPS = 1e-5
+_BN_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
+
+
+def _stats(a):
+    dims = (0,) + tuple(range(2, a.dim()))
+    var, mean = torch.var_mean(a, dim=dims, correction=0)
+    return mean, torch.rsqrt(var + EPS)
+
+
+def _bn_tangent(d, a, w):
+    """The op with the statistics of ``a`` recomputed from it (so gradcheck's perturbations of ``a`` move them)."""
+    mean, invstd = (s.detach() for s in _stats(a))
+    return kernels.batch_norm_tangent(d, a, w, mean, invstd, EPS)[0]
+
+
+def _bn_tangent_composite(d, a, w):
+    """``gamma * r * (d_j - mean(d_j) - xhat * mean(d_j * xhat))`` from differentiable primitive ops."""
+    dims = (0,) + tuple(range(2, a.dim()))
+    mean, invstd = _stats(a)
+    view = lambda p: p.reshape(-1, *([1] * (a.dim() - 2)))
+    xhat = (a - view(mean)) * view(invstd)
+    rd = tuple(i + 1 for i in dims)
+    dn = d - d.mean(rd, keepdim=True) - xhat * (d * xhat).mean(rd, keepdim=True)
+    scale = view(invstd) if w is None else view(invstd * w)
+    return scale * dn
+
+
+@pytest.mark.parametrize("shape, blocks, affine", [((6, 3), 1, True), ((4, 3, 5, 5), 2, True),
+                                                   ((3, 2, 4), 1, False), ((2, 3, 3, 2, 2), 1, True)],
+                         ids=["bn1d", "bn2d-two-tangents", "no-weight", "bn3d"])
+def test_batch_norm_tangent_values_and_gradients(shape, blocks, affine):
+    torch.manual_seed(0)
+    a = torch.randn(shape, dtype=D, requires_grad=True)
+    d = torch.randn(blocks, *shape, dtype=D, requires_grad=True)
+    w = torch.randn(shape[1], dtype=D, requires_grad=True) if affine else None
+    torch.testing.assert_close(_bn_tangent(d, a, w), _bn_tangent_composite(d, a, w), rtol=1e-12, atol=1e-12)
+    inputs = (d, a, w) if affine else (d, a)
+    fn = (lambda d_, a_, w_: _bn_tangent(d_, a_, w_)) if affine else (lambda d_, a_: _bn_tangent(d_, a_, None))
+    assert torch.autograd.gradcheck(fn, inputs)
+    g = torch.randn(blocks, *shape, dtype=D)
+    ref = (lambda d_, a_, w_: _bn_tangent_composite(d_, a_, w_)) if affine else \
+        (lambda d_, a_: _bn_tangent_composite(d_, a_, None))
+    got = torch.autograd.grad(fn(*inputs), inputs, g)
+    want = torch.autograd.grad(ref(*inputs), inputs, g)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+def test_batch_norm_tangent_create_graph_gives_the_same_gradients():
+    """Under create_graph the backward runs through torch's double backward of the kernel: same first order."""
+    torch.manual_seed(1)
+    a = torch.randn(5, 3, 4, 4, dtype=D, requires_grad=True)
+    d = torch.randn(1, 5, 3, 4, 4, dtype=D, requires_grad=True)
+    w = torch.randn(3, dtype=D, requires_grad=True)
+    g = torch.randn_like(d)
+    plain = torch.autograd.grad(_bn_tangent(d, a, w), (d, a, w), g)
+    graph = torch.autograd.grad(_bn_tangent(d, a, w), (d, a, w), g, create_graph=True)
+    assert all(x.requires_grad for x in graph)
+    for x, y in zip(plain, graph):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+def test_relu_blocks_values_gradients_and_nan_convention():
+    """``out_j = 1[a > 0] z_j``; backward ``keep * g``; a NaN primal entry passes values and gradients, as relu
+    does (``relu(NaN) = NaN`` and its backward reads the NaN result as not clamped)."""
+    torch.manual_seed(0)
+    z = torch.randn(3, 4, 5, dtype=D, requires_grad=True)
+    out, keep = kernels.relu_blocks(z)
+    torch.testing.assert_close(out, (z[0] > 0) * z)
+    assert keep.dtype == torch.bool and torch.equal(keep, z[0] > 0)
+    assert torch.autograd.gradcheck(lambda t: kernels.relu_blocks(t)[0], (z,))
+    assert torch.autograd.gradgradcheck(lambda t: kernels.relu_blocks(t)[0], (z,))
+
+    nan = torch.tensor([[float("nan"), -1.0, 2.0], [5.0, 6.0, 7.0]], dtype=D, requires_grad=True)
+    out, _ = kernels.relu_blocks(nan)
+    assert torch.equal(out[1], torch.tensor([5.0, 0.0, 7.0], dtype=D))
+    (grad,) = torch.autograd.grad(out[1].sum(), nan)
+    x = torch.tensor([float("nan"), -1.0, 2.0], dtype=D, requires_grad=True)
+    (want,) = torch.autograd.grad(torch.relu(x), x, torch.ones(3, dtype=D))
+    assert torch.equal(grad[1], want)
