@@ -247,6 +247,23 @@ def test_train_benchmark_writes_time_and_memory_ratios(tmp_path):
     assert rows["clone"]["saved_vs_plain"] > 1.0
     assert train.saved_for_backward(train.Step("plain", *_mlp_batch(train))) == rows["plain"]["saved_bytes"]
     assert "saved vs plain" in out.with_suffix(".md").read_text()
+    if rows["plain"]["live_bytes"] is not None:  # None where torch's profiler has no memory timeline
+        assert rows["clone"]["live_vs_plain"] > 1.0 and "live vs plain" in out.with_suffix(".md").read_text()
+
+
+def test_peak_live_bytes_counts_a_temporary_and_not_what_was_live_before():
+    from jvpreg.bench.memory import peak_live_bytes
+
+    held = torch.ones(1 << 20)  # live before: not counted
+
+    def fn():
+        tmp = torch.ones(1 << 18) * 2  # 1 MiB live at once (two of them), then freed
+        return float(tmp.sum()) + float(held[0])
+
+    peak = peak_live_bytes(fn)
+    if peak is None:
+        pytest.skip("this torch's profiler has no memory timeline")
+    assert 2 ** 20 <= peak <= 2 ** 21 + 2 ** 16, peak
 
 
 def _mlp_batch(train):
