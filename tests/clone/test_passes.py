@@ -197,3 +197,58 @@ def test_hardtanh_is_bounded_only_with_finite_known_bounds(args, kwargs, bounded
     x = graph.placeholder("x")
     node = graph.call_function(aten.hardtanh.default, (x, *args), kwargs)
     assert passes._bounded(node) == bounded
+
+
+def _graded(fn, *inputs):
+    """``fn`` traced as capture records it under autograd (every node marked as recorded in grad mode)."""
+    gm = make_fx(fn, tracing_mode="real", pre_dispatch=True)(*inputs)
+    for node in gm.graph.nodes:
+        node.meta["jvpreg_grad"] = True
+    return gm
+
+
+def test_block_reads_under_autograd_become_one_split_with_the_same_values_and_gradients():
+    def fn(z, w):
+        h = z * w
+        a, rest, second = h[0], h[1:], h[1]
+        return torch.stack([a.sin(), (rest * a).sum(0), second.cos()])
+
+    z, w = torch.randn(3, 4, 5, dtype=D), torch.randn(5, dtype=D)
+    gm = _graded(fn, z, w)
+    passes.optimize(gm)
+    counts = ops(gm)
+    assert counts[aten.split_with_sizes.default] == 1 and counts[aten.slice.Tensor] == 0
+    zs, ws = z.clone().requires_grad_(), w.clone().requires_grad_()
+    zr, wr = z.clone().requires_grad_(), w.clone().requires_grad_()
+    out, ref = gm(zs, ws), fn(zr, wr)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (zs, ws), g), torch.autograd.grad(ref, (zr, wr), g)):
+        torch.testing.assert_close(a, b, rtol=1e-15, atol=1e-15)
+
+
+def test_a_tensor_written_in_place_keeps_its_select_and_slice():
+    """A multi-view split forbids in-place writes to its base: a tensor (or a view of it) that an op writes into
+    is read as before."""
+    def fn(z):
+        h = z * 2
+        a, rest = h[0], h[1:]
+        h[0].add_(1)
+        return (rest * a).sum()
+
+    z = torch.randn(3, 4, dtype=D)
+    gm = _graded(fn, z)
+    passes.optimize(gm)
+    assert ops(gm)[aten.split_with_sizes.default] == 0
+    zs = z.clone().requires_grad_()
+    torch.testing.assert_close(gm(zs), fn(z))
+    torch.autograd.grad(gm(zs), zs)
+
+
+def test_train_batchnorm_program_reads_its_blocks_through_splits():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.ReLU()).to(D).train()
+    x, u = torch.randn(4, 3, 7, 7, dtype=D), torch.randn(4, 3, 7, 7, dtype=D)
+    jvpreg.jvp(model, (x,), (u,))
+    (prog,) = capture.programs(model).values()
+    assert ops(prog.gm)[aten.split_with_sizes.default] >= 1
