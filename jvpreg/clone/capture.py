@@ -437,6 +437,9 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                 else:
                     kinds.append(("const", leaf))
             out_meta["spec"], out_meta["kinds"] = out_spec, tuple(kinds)
+            # one C-level copy: a weakref callback cannot run midway (no tracker in some torch: no check)
+            refs = list(getattr(getattr(tracer, "tensor_tracker", None), "data", {}))
+            out_meta["traced_storages"] = _storages(t for t in (r() for r in refs) if t is not None)
             return tensors
 
     # The trace runs the forward for real: it reads copies of the call's tensors (an in-place op on
@@ -449,6 +452,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     with _restored_state(module, device), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
+    _check_constants(gm, out_meta["traced_storages"])
     _pin_grad_modes(gm.graph, torch.is_grad_enabled())
     finite = [_finite(leaves[i]) for i in clone_pos] + [_finite(slot_values[j]) for j in slot_pos]
     optimize(gm, finite)
@@ -482,6 +486,31 @@ def _direct_calls(gm: torch.fx.GraphModule) -> Callable:
     src = _OP_CALL.sub(direct, code.src)
     exec(compile(src, f"<jvpreg replay {id(gm):x}>", "exec"), env)  # noqa: S102 - our own generated code
     return types.MethodType(env["forward"], gm)
+
+
+def _storages(tensors) -> set:
+    out = set()
+    for t in tensors:
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage (a wrapper subclass)
+            continue
+        if ptr:
+            out.add(ptr)
+    return out
+
+
+def _check_constants(gm: torch.fx.GraphModule, traced: set) -> None:
+    """A tensor the tracer holds as a constant must not alias a tensor it traced: such an alias (made by a path
+    the tracer cannot see, e.g. ``as_subclass``) would replay the values of the capturing call forever."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if isinstance(value, torch.Tensor) and _storages([value]) & traced:
+            raise CaptureError(f"the program would hold {node.target} {tuple(value.shape)} as a constant, but it "
+                               "shares memory with a tensor of the traced call (an alias made where the tracer "
+                               "cannot see it)")
 
 
 def _baked_attributes(gm: torch.fx.GraphModule, rec: _Record) -> Tuple[Any, ...]:

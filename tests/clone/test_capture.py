@@ -519,3 +519,26 @@ def test_reassigned_tensor_attribute_recaptures():
     _, t = jvpreg.jvp(model, (x,), (u,))
     _, t_ref = torch.func.jvp(model, (x,), (u,))
     torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_an_alias_the_tracer_cannot_see_is_refused_not_baked_as_a_constant(monkeypatch):
+    """A rule that aliases a traced tensor where the tracer cannot see it (``as_subclass`` of a plain tensor) would
+    replay the capturing call's values forever: the capture refuses it and eager clone mode runs (exact)."""
+    from torch._C import DisableTorchFunctionSubclass
+
+    import jvpreg.clone.rules.normalization as norm
+
+    def invisible_alias(t):
+        with DisableTorchFunctionSubclass():
+            return t.as_subclass(torch.Tensor)
+
+    monkeypatch.setattr(norm, "raw", invisible_alias)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7)).to(D).train()
+    x, u = randn(6, 5), randn(6, 5)
+    with pytest.warns(capture.JVPCaptureWarning, match="shares memory with a tensor of the traced call"):
+        jvpreg.jvp(model, (x,), (u,), engine="captured")
+    x2, u2 = randn(6, 5), randn(6, 5)
+    _, t = jvpreg.jvp(model, (x2,), (u2,), engine="captured")
+    _, want = jvpreg.jvp(model, (x2,), (u2,), engine="eager")
+    torch.testing.assert_close(t, want, rtol=1e-12, atol=1e-12)
