@@ -18,9 +18,18 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["relu_blocks", "batch_norm_tangent"]
+__all__ = ["applies", "relu_blocks", "batch_norm_tangent"]
 
 _threshold_backward = torch.ops.aten.threshold_backward.default
+
+
+def applies(t: torch.Tensor) -> bool:
+    """Whether a rule may call these operators on ``t``: under autograd, outside ``torch.func`` transforms (the
+    operators' autograd has no functorch support), on a plain or clone tensor (not a DTensor: no sharding rule)."""
+    from .tensor import CloneTensor, compiling
+
+    return (torch.is_grad_enabled() and t.requires_grad and type(t) in (torch.Tensor, CloneTensor)
+            and torch._C._functorch.peek_interpreter_stack() is None and not compiling())
 
 
 @torch.library.custom_op("jvpreg::relu_blocks", mutates_args=())

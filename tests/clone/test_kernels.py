@@ -88,3 +88,28 @@ def test_relu_blocks_values_gradients_and_nan_convention():
     x = torch.tensor([float("nan"), -1.0, 2.0], dtype=D, requires_grad=True)
     (want,) = torch.autograd.grad(torch.relu(x), x, torch.ones(3, dtype=D))
     assert torch.equal(grad[1], want)
+
+
+def test_torch_func_grad_through_jvp_still_works_where_the_operators_would_apply():
+    """The operators' autograd has no functorch support: under ``torch.func.grad`` the rules take their aten path
+    (this failed with an autograd.Function/setup_context error) and the gradient equals plain autograd's."""
+    import jvpreg
+    from jvpreg.clone.rules.cpa import BOOL_MASK_NUMEL
+    from torch import nn
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    width = BOOL_MASK_NUMEL // 4
+    model = nn.Sequential(nn.Linear(6, width), nn.BatchNorm1d(width, track_running_stats=False), nn.ReLU(),
+                          nn.Linear(width, 3)).to(D)
+    x, u = torch.randn(4, 6, dtype=D), torch.randn(4, 6, dtype=D)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def penalty(p):
+        return jvpreg.jvp(lambda z: functional_call(model, p, (z,)), (x,), (u,))[1].pow(2).sum()
+
+    got = torch.func.grad(penalty)(params)
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    want = torch.autograd.grad(penalty(leaves), list(leaves.values()))
+    for (k, g), w in zip(got.items(), want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=k)

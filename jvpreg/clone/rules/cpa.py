@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import fallback
+from .. import kernels
 from ..kernels import relu_blocks
 from ..registry import maybe, register_rule
 from ..structural import align
-from ..tensor import CloneTensor, block_delta, compiling, each_block, is_clone, kept_primal, raw, stack_blocks
+from ..tensor import block_delta, each_block, is_clone, kept_primal, raw, stack_blocks
 
 T = torch.Tensor
 
@@ -62,17 +63,15 @@ def relu(input, inplace=False):
     :func:`jvpreg.clone.kernels.relu_blocks`, which saves the pattern as a bool block rather than a float one
     (the saved bytes of a relu network: 2.0x the plain forward's instead of 2.3x). Smaller blocks keep the float
     pattern: there the operator's ~25 µs of Python per call (forward and backward) would cost more than the
-    ~100 KiB it saves (+9% on a 784-200-200-10 MLP's step at batch 64). Not when compiling: Inductor fuses the
-    plain kernel and plans the saved tensors itself.
+    ~100 KiB it saves (+9% on a 784-200-200-10 MLP's step at batch 64). Not when compiling (Inductor fuses the
+    plain kernel and plans the saved tensors itself), nor where :func:`jvpreg.clone.kernels.applies` says no.
     """
-    if (type(input) in _PLAIN and input.requires_grad and torch.is_grad_enabled()
-            and input[0].numel() >= BOOL_MASK_NUMEL and not compiling()):
+    if input[0].numel() >= BOOL_MASK_NUMEL and kernels.applies(input):
         return relu_blocks(raw(input))[0]
     return torch.ops.aten.threshold_backward(input, _mask_source(input), 0)
 
 
 BOOL_MASK_NUMEL = 65536  # 256 KiB of float32 per block
-_PLAIN = (torch.Tensor, CloneTensor)  # not a DTensor: the operator has no sharding rule
 
 
 def _mask_source(input: torch.Tensor) -> torch.Tensor:

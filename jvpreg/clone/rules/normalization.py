@@ -21,9 +21,10 @@ import torch.nn.functional as F
 
 from ..dispatch import fallback
 from ..registry import register_rule
+from .. import kernels
 from ..kernels import batch_norm_tangent
-from ..tensor import (CloneTensor, block_delta, compiling, delta_blocks, each_block, is_clone, kept_primal,
-                      primal_block, raw, stack_blocks, tile, varies)
+from ..tensor import (block_delta, delta_blocks, each_block, is_clone, kept_primal, primal_block, raw,
+                      stack_blocks, tile, varies)
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -128,10 +129,10 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
 
 
 def _written_out_backward(x: torch.Tensor, a: torch.Tensor) -> bool:
-    """Use :func:`jvpreg.clone.kernels.batch_norm_tangent` (its backward written out): under autograd, on plain
-    float32/64 tensors, when not compiling (Inductor differentiates the kernel's decomposition itself)."""
-    return (torch.is_grad_enabled() and type(x) in (torch.Tensor, CloneTensor) and x.requires_grad
-            and a.dtype in (torch.float32, torch.float64) and not compiling())
+    """Use :func:`jvpreg.clone.kernels.batch_norm_tangent` (its backward written out): float32/64, where
+    :func:`jvpreg.clone.kernels.applies` (under autograd; not compiling: Inductor differentiates the kernel's
+    decomposition itself)."""
+    return a.dtype in (torch.float32, torch.float64) and kernels.applies(x)
 
 
 def _bn_tangents(x, a, out_a, mean, invstd, weight, bias, eps, ch):
