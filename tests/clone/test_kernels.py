@@ -113,3 +113,47 @@ def test_torch_func_grad_through_jvp_still_works_where_the_operators_would_apply
     want = torch.autograd.grad(penalty(leaves), list(leaves.values()))
     for (k, g), w in zip(got.items(), want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=k)
+
+
+def _gn_tangent(d, a, w, groups):
+    n, c = a.shape[:2]
+    _, mean, rstd = torch.native_group_norm(a.detach(), None, None, n, c, a.numel() // (n * c), groups, EPS)
+    return kernels.group_norm_tangent(d, a, w, mean, rstd, groups)[0]
+
+
+def _gn_tangent_composite(d, a, w, groups):
+    n = a.shape[0]
+    ag = a.reshape(n, groups, -1)
+    var, mean = torch.var_mean(ag, dim=-1, correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + EPS)
+    xg = (ag - mean) * rstd
+    dg = d.reshape(d.shape[0], n, groups, -1)
+    t = ((dg - dg.mean(-1, keepdim=True) - xg * (dg * xg).mean(-1, keepdim=True)) * rstd).reshape(d.shape)
+    return t if w is None else t * w.reshape(1, -1, *([1] * (a.dim() - 2)))
+
+
+@pytest.mark.parametrize("shape, groups, blocks, affine", [((3, 6, 4, 4), 3, 1, True), ((2, 4, 5), 2, 2, True),
+                                                           ((2, 6, 3, 3), 6, 1, False), ((4, 4, 2, 2), 1, 1, True)],
+                         ids=["gn2d", "gn1d-two-tangents", "instance-like-no-weight", "one-group"])
+def test_group_norm_tangent_values_and_gradients(shape, groups, blocks, affine):
+    torch.manual_seed(0)
+    a = torch.randn(shape, dtype=D, requires_grad=True)
+    d = torch.randn(blocks, *shape, dtype=D, requires_grad=True)
+    w = torch.randn(shape[1], dtype=D, requires_grad=True) if affine else None
+    torch.testing.assert_close(_gn_tangent(d, a, w, groups), _gn_tangent_composite(d, a, w, groups),
+                               rtol=1e-12, atol=1e-12)
+    inputs = (d, a, w) if affine else (d, a)
+    fn = (lambda *xs: _gn_tangent(*xs, groups)) if affine else (lambda d_, a_: _gn_tangent(d_, a_, None, groups))
+    ref = (lambda *xs: _gn_tangent_composite(*xs, groups)) if affine else \
+        (lambda d_, a_: _gn_tangent_composite(d_, a_, None, groups))
+    assert torch.autograd.gradcheck(fn, inputs)
+    g = torch.randn(blocks, *shape, dtype=D)
+    for x, y in zip(torch.autograd.grad(fn(*inputs), inputs, g), torch.autograd.grad(ref(*inputs), inputs, g)):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+def test_group_norm_tangent_refuses_create_graph_with_a_clear_error():
+    a = torch.randn(2, 4, 3, dtype=D, requires_grad=True)
+    d = torch.randn(1, 2, 4, 3, dtype=D, requires_grad=True)
+    with pytest.raises(RuntimeError, match="higher-order gradients through the clone rule of GroupNorm"):
+        torch.autograd.grad(_gn_tangent(d, a, None, 2).sum(), (d, a), create_graph=True)

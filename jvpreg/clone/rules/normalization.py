@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..dispatch import fallback
 from ..registry import register_rule
 from .. import kernels
-from ..kernels import batch_norm_tangent
+from ..kernels import batch_norm_tangent, group_norm_tangent
 from ..tensor import (block_delta, delta_blocks, each_block, is_clone, kept_primal, primal_block, raw,
                       stack_blocks, tile, varies)
 
@@ -214,26 +214,55 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
 
 @register_rule(F.group_norm, torch.group_norm)
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
-    """GroupNorm: statistics over (channels of a group, spatial) of each primal sample."""
+    """GroupNorm: statistics over (channels of a group, spatial) of each primal sample; the input tangent
+    ``rstd * (d - mean(d) - xhat * mean(xhat * d))`` is ``native_group_norm_backward`` (no weight) applied to
+    ``d_j``, times gamma; under autograd :func:`jvpreg.clone.kernels.group_norm_tangent` (that kernel has no
+    derivative in torch)."""
     input = _batch_input(input, weight, bias)
-    a = input[0]
+    a = kept_primal(input)
     w0, b0 = _primal(weight), _primal(bias)
-    out_a = F.group_norm(a, num_groups, w0, b0, eps)
+    n, c = a.shape[0], a.shape[1]
+    hw = a.numel() // (n * c) if n * c else 0
+    if torch.is_autocast_enabled(a.device.type):  # autocast's group_norm (float32) for the primal
+        out_a = F.group_norm(a, num_groups, w0, b0, eps)
+        a = a.to(out_a.dtype)
+        _, mean, rstd = torch.native_group_norm(a, None, None, n, c, hw, num_groups, eps)
+    elif w0 is None or w0.dtype == a.dtype:
+        out_a, mean, rstd = torch.native_group_norm(a, w0, b0, n, c, hw, num_groups, eps)
+    else:
+        out_a = F.group_norm(a, num_groups, w0, b0, eps)
+        _, mean, rstd = torch.native_group_norm(a, None, None, n, c, hw, num_groups, eps)
+    mean, rstd = mean.detach(), rstd.detach()  # the tangent's kernels differentiate through ``a`` themselves
+    ch = lambda p: _channel_view(p, a.dim())
+    d = _delta(input, nonfinite=False)
+    tan = None
+    if d is not None:
+        if a.dtype in (torch.float32, torch.float64) and kernels.applies(input):
+            tan = group_norm_tangent(raw(d), a, w0, mean, rstd, num_groups)[0]
+        elif torch.is_grad_enabled() and (input.requires_grad or varies(weight)):
+            tan = _group_norm_tangent_composite(d, a, w0, num_groups, eps, ch)
+        else:
+            tan = each_block(lambda b: torch.ops.aten.native_group_norm_backward(
+                b.to(a.dtype), a, mean, rstd, None, n, c, hw, num_groups, [True, False, False])[0], d)
+            tan = tan if w0 is None else tan * ch(w0)
+    if varies(weight) or varies(bias):  # xhat with differentiable statistics
+        ag = a.reshape(n, num_groups, -1)
+        var, mu = torch.var_mean(ag, dim=-1, correction=0, keepdim=True)
+        params = affine_tangent(((ag - mu) * torch.rsqrt(var + eps)).reshape(a.shape), weight, bias, ch)
+        tan = params if tan is None else tan + params
+    return tile(out_a, input.shape[0]) if tan is None else stack_blocks(out_a, out_a + tan)
+
+
+def _group_norm_tangent_composite(d, a, w0, num_groups, eps, ch):
+    """The input tangent from primitive ops with differentiable statistics (torch.func transforms, compiling)."""
     n = a.shape[0]
     ag = a.reshape(n, num_groups, -1)
     var, mean = torch.var_mean(ag, dim=-1, correction=0, keepdim=True)
     rstd_g = torch.rsqrt(var + eps)
-    xhat = ((ag - mean) * rstd_g).reshape(a.shape)
-    k1 = input.shape[0] - 1
-    d = block_delta(input[1:], a, nonfinite=False).reshape(k1, n, num_groups, -1)
-    xg = xhat.reshape(n, num_groups, -1)
-    dn = (d - d.mean(-1, keepdim=True) - xg * (d * xg).mean(-1, keepdim=True)) * rstd_g
-    dn = dn.reshape(k1, *a.shape)
-    ch = lambda p: _channel_view(p, a.dim())
-    if weight is not None:
-        dn = dn * ch(w0)
-    params = affine_tangent(xhat, weight, bias, ch)
-    return stack_blocks(out_a, out_a + (dn if params is None else dn + params))
+    xg = (ag - mean) * rstd_g
+    dg = d.reshape(d.shape[0], n, num_groups, -1)
+    dn = ((dg - dg.mean(-1, keepdim=True) - xg * (dg * xg).mean(-1, keepdim=True)) * rstd_g).reshape(d.shape)
+    return dn if w0 is None else dn * ch(w0)
 
 
 def _sync_batch_norm_rule(args, kwargs):
