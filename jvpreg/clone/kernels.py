@@ -79,17 +79,20 @@ def _stacked(parts):
     return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
 
 
-@batch_norm_tangent.register_fake
-def _(d, a, weight, mean, invstd, eps):
-    sums = d.new_empty((d.shape[0], mean.shape[0]), dtype=mean.dtype)
+def _fake_tangent_and_sums(d, a, weight, mean, rstd, _setting):
+    """Shapes of a normalisation tangent operator's outputs: the tangents, and two sums per statistic."""
+    sums = d.new_empty((d.shape[0], *mean.shape), dtype=mean.dtype)
     return torch.empty_like(d), sums, torch.empty_like(sums)
 
 
-def _bn_setup(ctx, inputs, output):
-    d, a, weight, mean, invstd, eps = inputs
+def _keep_inputs_and_sums(ctx, inputs, output):
+    """Save ``(d, a, weight, mean, rstd)`` and the two sums; the last input (eps or groups) as ``ctx.setting``."""
     ctx.mark_non_differentiable(output[1], output[2])
-    ctx.eps = eps
-    ctx.save_for_backward(d, a, weight, mean, invstd, output[1], output[2])
+    ctx.setting = inputs[-1]
+    ctx.save_for_backward(*inputs[:-1], output[1], output[2])
+
+
+batch_norm_tangent.register_fake(_fake_tangent_and_sums)
 
 
 def _bn_tangent_backward(ctx, grad, _g_sdx, _g_sd):
@@ -104,7 +107,7 @@ def _bn_tangent_backward(ctx, grad, _g_sdx, _g_sd):
     multiply-adds per tangent, where autograd's double backward of ``native_batch_norm_backward`` takes ~7x longer.
     Under ``create_graph`` torch's own double backward runs instead (higher orders as in torch)."""
     d, a, weight, mean, invstd, sum_dx, sum_d = ctx.saved_tensors
-    eps = ctx.eps
+    eps = ctx.setting
     if torch.is_grad_enabled():
         return _bn_tangent_backward_graph(grad, d, a, weight, mean, invstd, eps)
     c_dim = a.dim() - 1
@@ -145,7 +148,7 @@ def _bn_tangent_backward_graph(grad, d, a, weight, mean, invstd, eps):
     return tuple(out)
 
 
-batch_norm_tangent.register_autograd(_bn_tangent_backward, setup_context=_bn_setup)
+batch_norm_tangent.register_autograd(_bn_tangent_backward, setup_context=_keep_inputs_and_sums)
 
 
 _gn_backward = torch.ops.aten.native_group_norm_backward.default
@@ -174,24 +177,14 @@ def group_norm_tangent(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.
     return _stacked(ts), _stacked(sdx), _stacked(sd)
 
 
-@group_norm_tangent.register_fake
-def _(d, a, weight, mean, rstd, groups):
-    sums = d.new_empty((d.shape[0], *mean.shape), dtype=mean.dtype)
-    return torch.empty_like(d), sums, torch.empty_like(sums)
-
-
-def _gn_setup(ctx, inputs, output):
-    d, a, weight, mean, rstd, groups = inputs
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.groups = groups
-    ctx.save_for_backward(d, a, weight, mean, rstd, output[1], output[2])
+group_norm_tangent.register_fake(_fake_tangent_and_sums)
 
 
 def _gn_tangent_backward(ctx, grad, _g_sdx, _g_sd):
     """Gradients of ``sum_j <g_j, t_j>``: the formulas of :func:`_bn_tangent_backward` per sample and group
     (``N`` there is the group's size ``M``), with ``G = gamma * g_j`` varying along the group's channels."""
     d, a, weight, mean, rstd, sum_dx, sum_d = ctx.saved_tensors
-    groups = ctx.groups
+    groups = ctx.setting
     if torch.is_grad_enabled():
         raise RuntimeError("jvpreg: higher-order gradients through the clone rule of GroupNorm are not supported "
                            "(torch has no derivative for native_group_norm_backward either); compute the penalty's "
@@ -229,4 +222,4 @@ def _gn_tangent_backward(ctx, grad, _g_sdx, _g_sd):
     return _stacked(grad_d), grad_a.reshape(a.shape).to(a.dtype), grad_w, None, None, None
 
 
-group_norm_tangent.register_autograd(_gn_tangent_backward, setup_context=_gn_setup)
+group_norm_tangent.register_autograd(_gn_tangent_backward, setup_context=_keep_inputs_and_sums)
