@@ -381,7 +381,9 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`", "",
              f"Machine: {result['machine']['cpu']}, {result['machine']['cpu_cores']} cores, "
              f"torch {result['machine']['torch']} ({result['machine']['torch_threads']} threads); load average "
-             f"at start {result['load_average_start']}, at end {result['load_average_end']} (shared machine).", "",
+             f"at start {result['load_average_start']}, at end {result['load_average_end']} (shared machine)."
+             + (" Steady heap (`--steady-malloc`): buffers reused, no page faults per fresh allocation."
+                if result.get("steady_malloc") else ""), "",
              "Wall-clock medians are what the targets use; process CPU time (all threads) is shown too, as it "
              "is less sensitive to other jobs on a shared machine. Peak memory is the RSS high-water mark a step "
              "adds (median of 5 steps; it moves 10-30% between runs); saved is what autograd keeps for backward "
@@ -442,6 +444,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-inplace", action="store_true",
                         help="make in-place activations (ResNet's ReLU(inplace=True)) out-of-place for every method")
     parser.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown per method")
+    parser.add_argument("--steady-malloc", action="store_true",
+                        help="never-trimmed glibc heap, as jemalloc/tcmalloc or a caching allocator keep one: no "
+                             "page faults on every fresh buffer (they cost methods with more temporaries more)")
     parser.add_argument("--note", action="append", default=[], help="a note for the Markdown report (repeatable)")
     parser.add_argument("--out", default=DEFAULT_OUT, help="output path without extension ('' to skip writing)")
     args = parser.parse_args(argv)
@@ -451,6 +456,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"unknown method(s) {bad}; expected a subset of {list(METHODS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    steady = bool(args.steady_malloc and report.steady_malloc())
     command = report.command_line("python -m jvpreg.bench train", sys.argv[1:] if argv is None else argv)
     load0 = [round(v, 2) for v in os.getloadavg()]
     print(f"bench train: {args.models} batch {args.batch}, {args.repeats} repeats, {torch.get_num_threads()} threads")
@@ -460,7 +466,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows += run_model(name, int(b) if b else args.batch, args.repeats, args.warmup, methods,
                           inplace=not args.no_inplace, profile=args.profile)
     result = {"command": command.strip(), "machine": machine_description("cpu"), "load_average_start": load0,
-              "inplace_activations": not args.no_inplace, "threads": torch.get_num_threads(),
+              "inplace_activations": not args.no_inplace, "threads": torch.get_num_threads(), "steady_malloc": steady,
               "load_average_end": [round(v, 2) for v in os.getloadavg()], "lambda": LAM,
               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "notes": list(args.note), "results": rows}
     result["targets"] = targets(rows)
