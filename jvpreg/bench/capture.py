@@ -75,6 +75,13 @@ def _row_rnn():
     return build_model("rnn", in_channels=1, num_classes=10, image_size=28)
 
 
+def _resnet18_gn():
+    """ResNet-18 with GroupNorm(32) in place of BatchNorm (the norm of detection heads and small-batch training)."""
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(32, c))
+
+
 # name -> (builder, input shape)
 SUITES: Dict[str, Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]]] = {
     "small": {
@@ -87,6 +94,9 @@ SUITES: Dict[str, Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]]] = 
         "row_rnn": (_row_rnn, (4, 1, 28, 28)),
         "lstm2": (lambda: _Recurrent(nn.LSTM), (4, 8, 32)),
         "gru2": (lambda: _Recurrent(nn.GRU), (4, 8, 32)),
+    },
+    "norm": {  # GroupNorm: its statistics are per sample, so its rule has work to do in eval mode too
+        "resnet18_gn": (_resnet18_gn, (4, 3, 32, 32)),
     },
     "large": {
         "resnet50": (_tv("resnet50"), (8, 3, 64, 64)),

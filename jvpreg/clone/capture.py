@@ -45,7 +45,9 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
 * Python control flow on tensor values; custom ``autograd.Function`` s on plain tensors under
   autograd (their backward would not be replayed); modules with forward hooks other than
   weight/spectral norm's (a hook's Python side effects would not be replayed); FSDP-managed modules
-  and DTensor parameters (their collectives belong to FSDP's hooks).
+  and DTensor parameters (their collectives belong to FSDP's hooks); a constant of the recorded program that
+  shares memory with a traced tensor (an alias made where the tracer cannot see it, e.g. ``as_subclass``:
+  it would replay the capturing call's values).
 * Python attributes of submodules that the forward reads (dropout ``p``, ``eps``, flags) are baked
   into the program: after changing one, call :func:`reset` (or use ``engine="eager"``).
 * Parameters and buffers are checked for infinities once, at capture: one that turns non-finite later
