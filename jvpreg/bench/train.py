@@ -76,6 +76,10 @@ def build(name: str) -> tuple:
         import torchvision
 
         return torchvision.models.resnet18(num_classes=10), (3, 64, 64)
+    if name == "resnet18_gn":  # GroupNorm(32) in place of BatchNorm
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(32, c)), (3, 32, 32)
     if name == "mlp":
         from ..models import MLP
 
@@ -87,8 +91,8 @@ def build(name: str) -> tuple:
         from .capture import _vit_small
 
         return _vit_small(), (3, 32, 32)
-    raise ValueError(f"bench train: unknown model {name!r}; expected 'resnet18', 'resnet18_64px', 'mlp', "
-                     "'mlp200' or 'vit'.")
+    raise ValueError(f"bench train: unknown model {name!r}; expected 'resnet18', 'resnet18_64px', "
+                     "'resnet18_gn', 'mlp', 'mlp200' or 'vit'.")
 
 
 class FixedDirection(JacobianFrobenius):
@@ -435,7 +439,7 @@ _PROFILE_COLUMNS = ("conv backward", "conv/matmul", "batch_norm kernels", "eleme
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jvpreg.bench train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="resnet18,mlp200:64,vit",
-                        help="comma-separated name[:batch] of resnet18, resnet18_64px (64x64 images), mlp, mlp200, vit")
+                        help="comma-separated name[:batch] of resnet18, resnet18_64px (64x64 images), resnet18_gn (GroupNorm), mlp, mlp200, vit")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10)
