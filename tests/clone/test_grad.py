@@ -378,3 +378,36 @@ def test_group_norm_penalty_gradients_equal_autograd_of_primitive_ops(engine, mo
     monkeypatch.setattr(kernels, "applies", lambda t: False)
     for g, w in zip(got, grads()):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["contiguous", "channels_last", "no-affine", "two-tangents"])
+def test_batchnorm_and_relu_operators_match_primitive_autograd(variant, monkeypatch):
+    """Train-mode BatchNorm's and relu's operators (jvpreg.clone.kernels, backward written out) vs the same rules
+    with the operators switched off (autograd of aten kernels), for the layouts and shapes a training loop meets."""
+    import jvpreg.clone.kernels as kernels
+    from jvpreg.clone.rules.cpa import BOOL_MASK_NUMEL
+
+    torch.manual_seed(0)
+    width = -(-BOOL_MASK_NUMEL // (4 * 5 * 5))  # relu blocks large enough for the bool-pattern operator
+    model = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width, affine=variant != "no-affine"),
+                          nn.ReLU(inplace=True), nn.Conv2d(width, 4, 3), nn.Flatten(), nn.Linear(4 * 3 * 3, 2)).to(D)
+    x = torch.randn(4, 3, 5, 5, dtype=D)
+    if variant == "channels_last":
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    k = 2 if variant == "two-tangents" else 1
+    us = torch.randn(k, *x.shape, dtype=D)
+
+    def grads():
+        m = copy.deepcopy(model)
+        xg = x.clone().requires_grad_()
+        for _ in range(2):  # the second call replays
+            if k == 1:
+                y, t = jvpreg.jvp(m, (xg,), (us[0],))
+            else:
+                y, t = jvpreg.jvp(m, (xg,), (us,), batched_tangents=True)
+        return torch.autograd.grad(t.pow(2).sum() + y.sum(), [*m.parameters(), xg])
+
+    got = grads()
+    monkeypatch.setattr(kernels, "applies", lambda t: False)
+    for g, w in zip(got, grads()):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
