@@ -326,9 +326,10 @@ def _stack_unsqueezed_cats(graph: torch.fx.Graph) -> None:
 
 # Ops whose floating outputs are finite when their tensor inputs and number arguments are (up to
 # overflow, where a difference ``inf - inf`` gives NaN: loud, never a wrong finite value; an ``empty``
-# tensor is written before it is read). In-place (``relu_``) and out= overloads are covered by their names;
-# so are :mod:`jvpreg.clone.kernels`' operators. Anything else can make an infinity that every block shares
-# (``log(0)``, ``1 / 0``, ``masked_fill(m, -inf)``), so its output counts as non-finite.
+# tensor is written before it is read). In-place (``relu_``) and out= overloads are covered by their names,
+# :mod:`jvpreg.clone.kernels`' operators by their namespace (``jvpreg``: tangents of such ops). Anything else can
+# make an infinity that every block shares (``log(0)``, ``1 / 0``, ``masked_fill(m, -inf)``), so its output counts
+# as non-finite.
 _FINITE_OPS = frozenset("""
     linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution _convolution
     matmul mm bmm addmm addmv addbmm baddbmm mv dot einsum bilinear
@@ -353,7 +354,6 @@ _FINITE_OPS = frozenset("""
     zeros zeros_like ones ones_like full full_like scalar_tensor arange new_zeros new_ones new_full fill
     bernoulli uniform normal rand rand_like randn randn_like randint randperm
     empty empty_like new_empty empty_strided
-    relu_blocks batch_norm_tangent
 """.split())
 
 
@@ -414,6 +414,8 @@ def _makes_infinity(node: torch.fx.Node) -> bool:
         return False
     if not isinstance(target, torch._ops.OpOverload):
         return True
+    if target.namespace == "jvpreg":
+        return False
     name = target._schema.name.split("::")[-1].rstrip("_")
     args = list(node.args) + list(node.kwargs.values())
     if any(not math.isfinite(v) for v in _numbers(args)):
