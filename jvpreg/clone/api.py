@@ -182,6 +182,21 @@ _COMPLEX = ("{where}: {what} has dtype {dtype}; clone mode supports real floatin
             "real tensors.")
 
 
+def _refuse_vmap(where: str) -> None:
+    """A clear error inside ``torch.func.vmap``, whose batched tensors have no values Python can read (the scale
+    ``s`` is chosen from the tangents' norms; the guards read finiteness): the stacked-tangent call is the fast way."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    if any(i.key() == torch._C._functorch.TransformType.Vmap for i in retrieve_all_functorch_interpreters()):
+        raise RuntimeError(
+            f"{where}: cannot run inside torch.func.vmap (clone mode reads the tangents' values to choose its step). "
+            "For k tangent directions, stack them and pass batched_tangents=True: jvpreg.jvp(f, (x,), (U,), "
+            "batched_tangents=True) with U of shape (k, *x.shape) computes all k JVPs in one forward pass of (k+1)B "
+            "rows. For a batch of inputs, concatenate them along the batch dim.")
+
+
 def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{where}: expected primals to be a tuple of tensors, got {type(p).__name__} at index {i}. "
@@ -258,6 +273,7 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
         >>> y, JU = jvpreg.jvp(model, (x,), (torch.randn(4, 8, 3, 64, 64),), batched_tangents=True)
     """
     where = "jvpreg.jvp(func, primals, tangents)"
+    _refuse_vmap(where)
     if not callable(func):
         raise TypeError(f"{where}: expected func to be callable, got {type(func).__name__}.")
     engine = capture.resolve_engine(engine, func, where)
@@ -404,6 +420,7 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
         >>> y, JU = jvpreg.jvp_params(model, (x,), {"layer3.0.conv1.weight": U})
     """
     where = "jvpreg.jvp_params(module, primals, param_tangents)"
+    _refuse_vmap(where)
     engine = capture.resolve_engine(engine, module, where)
     module = capture.unwrap_compiled(module)
     if not isinstance(module, nn.Module):

@@ -524,3 +524,19 @@ def test_rule_for_returns_the_rule_function_itself():
     assert jvpreg.clone.rule_for(torch.logsumexp) is composite.logsumexp
     assert jvpreg.clone.rule_for(torch.narrow).__name__ == "_narrow"
     assert jvpreg.clone.rule_for(torch.special.zeta) is None  # generic path: fallback
+
+
+def test_inside_vmap_a_clear_error_points_to_batched_tangents_which_gives_the_same_jvps():
+    """Under torch.func.vmap clone mode cannot read the tangents' values (it failed deep inside the scale choice
+    with "Cannot access data pointer of Tensor that doesn't have storage"): a clear error says what to do, and
+    doing it gives torch.func's vmapped JVPs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x, U = torch.randn(2, 4, dtype=D), torch.randn(6, 2, 4, dtype=D)
+    with pytest.raises(RuntimeError, match="batched_tangents=True"):
+        torch.func.vmap(lambda u: jvpreg.jvp(model, (x,), (u,))[1])(U)
+    with pytest.raises(RuntimeError, match="cannot run inside torch.func.vmap"):
+        torch.func.vmap(lambda u: jvpreg.jvp_params(model, (x,), {"0.weight": u})[1])(torch.randn(2, 5, 4, dtype=D))
+    _, got = jvpreg.jvp(model, (x,), (U,), batched_tangents=True)
+    want = torch.func.vmap(lambda u: torch.func.jvp(model, (x,), (u,))[1])(U)
+    torch.testing.assert_close(got, want)
