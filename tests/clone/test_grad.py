@@ -356,22 +356,16 @@ def test_attention_keeps_the_value_blocks_not_the_packed_qkv_projection(engine):
     assert packed not in sizes, sorted(set(sizes))
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured"])
-def test_group_norm_penalty_gradients_equal_autograd_of_primitive_ops(engine, monkeypatch):
-    """GroupNorm's tangent under autograd (jvpreg.clone.kernels.group_norm_tangent, its backward written out) vs
-    the same rule through primitive ops with differentiable statistics (the operator switched off)."""
+def _operators_match_primitive_autograd(model, x, tangent, monkeypatch, engine="auto", batched=False):
+    """Gradients of ||J u||^2 + sum f(x) (w.r.t. parameters and x) with jvpreg.clone.kernels' operators equal those
+    of the same rules with the operators switched off (autograd of aten kernels and primitive ops)."""
     import jvpreg.clone.kernels as kernels
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(2, 6, 3, padding=1), nn.GroupNorm(3, 6), nn.Tanh(), nn.Conv2d(6, 4, 3),
-                          nn.GroupNorm(2, 4, affine=False), nn.Flatten(), nn.Linear(4 * 3 * 3, 3)).to(D)
-    x, u = torch.randn(3, 2, 5, 5, dtype=D), torch.randn(3, 2, 5, 5, dtype=D)
 
     def grads():
         m = copy.deepcopy(model)
         xg = x.clone().requires_grad_()
         for _ in range(2):  # the second call replays
-            y, t = jvpreg.jvp(m, (xg,), (u,), engine=engine)
+            y, t = jvpreg.jvp(m, (xg,), (tangent,), engine=engine, batched_tangents=batched)
         return torch.autograd.grad(t.pow(2).sum() + y.sum(), [*m.parameters(), xg])
 
     got = grads()
@@ -380,11 +374,21 @@ def test_group_norm_penalty_gradients_equal_autograd_of_primitive_ops(engine, mo
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_group_norm_penalty_gradients_equal_autograd_of_primitive_ops(engine, monkeypatch):
+    """GroupNorm's tangent under autograd (jvpreg.clone.kernels.group_norm_tangent, its backward written out) vs
+    the same rule through primitive ops with differentiable statistics (the operator switched off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 6, 3, padding=1), nn.GroupNorm(3, 6), nn.Tanh(), nn.Conv2d(6, 4, 3),
+                          nn.GroupNorm(2, 4, affine=False), nn.Flatten(), nn.Linear(4 * 3 * 3, 3)).to(D)
+    x, u = torch.randn(3, 2, 5, 5, dtype=D), torch.randn(3, 2, 5, 5, dtype=D)
+    _operators_match_primitive_autograd(model, x, u, monkeypatch, engine=engine)
+
+
 @pytest.mark.parametrize("variant", ["contiguous", "channels_last", "no-affine", "two-tangents"])
 def test_batchnorm_and_relu_operators_match_primitive_autograd(variant, monkeypatch):
     """Train-mode BatchNorm's and relu's operators (jvpreg.clone.kernels, backward written out) vs the same rules
     with the operators switched off (autograd of aten kernels), for the layouts and shapes a training loop meets."""
-    import jvpreg.clone.kernels as kernels
     from jvpreg.clone.rules.cpa import BOOL_MASK_NUMEL
 
     torch.manual_seed(0)
@@ -396,18 +400,4 @@ def test_batchnorm_and_relu_operators_match_primitive_autograd(variant, monkeypa
         model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
     k = 2 if variant == "two-tangents" else 1
     us = torch.randn(k, *x.shape, dtype=D)
-
-    def grads():
-        m = copy.deepcopy(model)
-        xg = x.clone().requires_grad_()
-        for _ in range(2):  # the second call replays
-            if k == 1:
-                y, t = jvpreg.jvp(m, (xg,), (us[0],))
-            else:
-                y, t = jvpreg.jvp(m, (xg,), (us,), batched_tangents=True)
-        return torch.autograd.grad(t.pow(2).sum() + y.sum(), [*m.parameters(), xg])
-
-    got = grads()
-    monkeypatch.setattr(kernels, "applies", lambda t: False)
-    for g, w in zip(got, grads()):
-        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    _operators_match_primitive_autograd(model, x, us if k > 1 else us[0], monkeypatch, batched=k > 1)
