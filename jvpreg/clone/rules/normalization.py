@@ -238,7 +238,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     tan = None
     if d is not None:
         if a.dtype in (torch.float32, torch.float64) and kernels.applies(input):
-            tan = group_norm_tangent(raw(d), a, w0, mean, rstd, num_groups)[0]
+            tan = group_norm_tangent(raw(d).to(a.dtype), a, w0, mean, rstd, num_groups)[0]  # (autocast: a upcast)
         elif torch.is_grad_enabled() and (input.requires_grad or varies(weight)):
             tan = _group_norm_tangent_composite(d, a, w0, num_groups, eps, ch)
         else:
