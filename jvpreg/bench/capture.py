@@ -4,8 +4,10 @@ Side by side in one process, per model: the plain forward of the B and 2B-row ba
 physical limit of a clone JVP is the 2B forward), ``jvpreg.jvp`` with ``engine="eager"``,
 ``"captured"`` and ``"compiled"``, the ``torch.compile``-d 2B forward (the limit for the compiled
 engine), ``torch.func.jvp``, forward-mode AD, and ``torch.compile(torch.func.jvp)``. Repeats are
-*interleaved* (one run of every method per round), so slow drifts of a shared machine hit every
-method alike; times are medians over rounds. Every method's JVP is checked against the eager clone
+*interleaved* (one run of every method per round, in a fresh random order each round), so slow drifts
+of a shared machine hit every method alike and no method always runs right after the one that warmed
+its caches (``forward_B`` before ``forward_2B`` ran the same code on the same weights: a fixed order
+favoured the 2B forward by 5-15% on the sub-millisecond models); times are medians over rounds. Every method's JVP is checked against the eager clone
 engine once, and a method that fails is recorded as failing (the run goes on).
 
 Suites: ``small`` (the four small-op models of the captured-clone issue), ``rnn`` (the paper's
@@ -15,6 +17,7 @@ DenseNet-121 at batch 8, 64x64) and ``gpu`` (ResNet-50, ViT-B/16, DenseNet-121 a
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import warnings
 from typing import Callable, Dict, List, Tuple
@@ -172,8 +175,11 @@ def bench_model(name: str, model: nn.Module, x: torch.Tensor, methods, rounds: i
     import time
 
     now = time.process_time if clock == "cpu" else time.perf_counter
-    for _ in range(rounds):
-        for meth, fn in list(live.items()):
+    order = random.Random(0)
+    for _ in range(rounds):  # a fresh order each round: no method always runs right after its twin
+        for meth, fn in order.sample(list(live.items()), len(live)):
+            if meth not in live:
+                continue
             with torch.no_grad(), (ctx() if ctx else _null()):
                 sync(device)
                 t0 = now()
@@ -246,7 +252,7 @@ def to_markdown(result: dict, meta: dict) -> str:
              f"Machine: {meta['machine']['cpu']} ({meta['machine']['cpu_cores']} cores, torch threads "
              f"{meta['machine']['torch_threads']}), GPU: {meta['machine']['gpu'] or 'none'}, torch "
              f"{meta['machine']['torch']}; load average before the run: {meta['load']}  ",
-             f"Medians of {meta['rounds']} interleaved rounds after {meta['warmup']} warm-up runs "
+             f"Medians of {meta['rounds']} interleaved rounds (methods in a fresh random order each round) after {meta['warmup']} warm-up runs "
              f"({meta['clock']} clock); times in ms; float32.", ""]
     headers = ["model", "input"] + list(methods) + ["eager / fwd 2B", "captured / fwd 2B",
                                                     "compiled / compiled fwd 2B", "fastest autodiff / best clone"]
