@@ -62,8 +62,6 @@ import contextlib
 import gc
 import math
 import operator
-import re
-import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -78,6 +76,7 @@ from torch.utils.hooks import RemovableHandle
 from . import functions
 from . import tensor as _tensor
 from .dispatch import _FALLBACK
+from .replay import replay_function
 from .passes import optimize
 from .tensor import CloneTensor
 
@@ -163,7 +162,7 @@ class _Program:
     out_kinds: Tuple[Any, ...] = ()     # per output leaf: "clone"/"state"/"tensor" or the constant
     compiled: Optional[Callable] = None
     reason: str = ""
-    replay: Optional[Callable] = None   # gm's forward with direct operator calls (engine="captured")
+    replay: Optional[Callable] = None   # gm's forward with cheap exact op calls (engine="captured")
     out_pairs: bool = False             # the output is a flat tuple of plain tensors (no rebuild needed)
 
 
@@ -463,31 +462,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
     return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
                     out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]),
-                    attrs=_baked_attributes(gm, rec), replay=_direct_calls(gm))
-
-
-_OP_CALL = re.compile(r"torch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
-
-
-def _direct_calls(gm: torch.fx.GraphModule) -> Callable:
-    """``gm.forward`` with each aten overload called through its C++ operator handle (``op._op``: what
-    ``OpOverload.__call__`` calls when no Python dispatcher is attached) instead of the Python wrapper:
-    one Python frame less per op. ``gm`` keeps the ``OpOverload`` targets (``torch.compile`` reads them)."""
-    code = gm.graph.python_code(root_module="self")
-    env = dict(code.globals)
-
-    def direct(match):
-        ns, name, overload = match.groups()
-        op = getattr(getattr(getattr(torch.ops, ns), name), overload)
-        if not isinstance(op, torch._ops.OpOverload) or op._pyobj_dispatcher is not None:
-            return match.group(0)
-        key = f"_op_{ns}_{name}_{overload}"
-        env[key] = op._op
-        return key + "("
-
-    src = _OP_CALL.sub(direct, code.src)
-    exec(compile(src, f"<jvpreg replay {id(gm):x}>", "exec"), env)  # noqa: S102 - our own generated code
-    return types.MethodType(env["forward"], gm)
+                    attrs=_baked_attributes(gm, rec), replay=replay_function(gm))
 
 
 def _storages(tensors) -> set:
