@@ -4,10 +4,11 @@ Eager clone mode pays 10-50 µs of Python per op (``__torch_function__``, rule l
 bookkeeping). For a given module and call signature that work is always the same, so
 :func:`call` runs it *once* under a tracer and keeps what reached the dispatcher: a
 ``torch.fx.GraphModule`` of ordinary aten ops on the physical ``(K, *shape)`` tensors, with no
-tensor subclass and no rule lookup left. Later calls with the same signature replay it (each op through
-its cheapest exact entry point: :mod:`jvpreg.clone.replay`); the replay is ordinary eager PyTorch, so autograd through it gives exact gradients, BatchNorm's
-in-place running-statistics updates happen on the live buffers, and random ops (one dropout mask
-for all blocks) draw fresh numbers on every call. ``engine="compiled"`` hands the same program to
+tensor subclass and no rule lookup left. Later calls with the same signature replay it (each op
+through its cheapest exact entry point: :mod:`jvpreg.clone.replay`); the replay is ordinary eager
+PyTorch, so autograd through it gives exact gradients, BatchNorm's in-place running-statistics
+updates happen on the live buffers, and random ops (one dropout mask for all blocks) draw fresh
+numbers on every call. ``engine="compiled"`` hands the same program to
 ``torch.compile`` so Inductor fuses the clone rules with the model's ops. :func:`jvpreg.jvp` records its
 whole call as one program: ``(x, u, s) -> (f(x), J u)``, the packing ``[x; x + s u]`` and the unpacking
 ``(y_1 - y_0) / s`` included, so a replay runs no Python between them.
