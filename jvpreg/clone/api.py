@@ -61,8 +61,8 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, s
         ratio = _ratio(ref.dtype, "cpu") if ratio is None else ratio
         x2, u2, finite = 0.0, [0.0] * k, True
         for x, u in pairs:
-            nx, fx = _finite_norms(x.detach().reshape(1, -1))
-            nu, fu = _finite_norms(u.detach().reshape(k, -1))
+            nx, fx = _finite_norms(x, 1)
+            nu, fu = _finite_norms(u, k)
             x2 += nx[0] ** 2
             u2 = [a + b ** 2 for a, b in zip(u2, nu)]
             finite = finite and fx and fu
@@ -90,16 +90,22 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, s
         return torch.where(nu > 0, s, 1.0), None
 
 
-def _finite_norms(rows: torch.Tensor) -> tuple:
-    """Norms of the rows of a CPU tensor, counting finite entries only, and whether every entry was finite.
+def _finite_norms(rows: torch.Tensor, k: int) -> tuple:
+    """Norms of the ``k`` rows of a CPU tensor (``k=1``: the whole tensor), counting finite entries only, and
+    whether every entry was finite.
 
     First in float32 (a third of float64's time): a finite norm means finite entries; an infinite one (an
     infinity, or an overflow) is redone in float64 over the finite entries and says "not known finite"."""
+    if rows.requires_grad:
+        rows = rows.detach()
     low = rows.dtype if rows.dtype in (torch.float32, torch.float64) else torch.float32
-    norms = torch.linalg.vector_norm(rows, dim=1, dtype=low).tolist()
+    if k == 1:  # the norm of the whole tensor, no reshape
+        norms = [torch.linalg.vector_norm(rows, dtype=low).item()]
+    else:
+        norms = torch.linalg.vector_norm(rows.reshape(k, -1), dim=1, dtype=low).tolist()
     if all(map(math.isfinite, norms)):
         return norms, True
-    rows = torch.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
+    rows = torch.nan_to_num(rows.reshape(k, -1), nan=0.0, posinf=0.0, neginf=0.0)
     return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).tolist(), False
 
 

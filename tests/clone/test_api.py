@@ -167,6 +167,35 @@ def test_scale_auto_is_a_power_of_two_per_tangent():
     assert s[1] > s[0] and s[2] == 1.0  # a zero tangent keeps scale 1
 
 
+
+def _reference_scales(x, us, ratio):
+    """s_j = 2^round(log2(ratio ||x|| / ||u_j||)) over the finite entries, in float64 (1 for a zero tangent)."""
+    def norm(t):
+        t = t.double()
+        return float(torch.where(torch.isfinite(t), t, 0).norm())
+
+    nx = norm(x) or 1.0
+    return [2.0 ** round(math.log2(ratio * nx / norm(u))) if norm(u) > 0 else 1.0 for u in us]
+
+
+@pytest.mark.parametrize("case", ["plain", "huge_float32", "nonfinite", "one_tangent", "requires_grad"])
+def test_cpu_scale_choice_matches_the_formula_and_says_whether_inputs_are_finite(case):
+    from jvpreg.clone.api import _R_DEFAULT, _choose_scales
+
+    torch.manual_seed(0)
+    x, us = torch.randn(3, 5), torch.randn(2, 3, 5)
+    if case == "huge_float32":  # finite, but the float32 sum of squares overflows: redone in float64
+        x = x * 1e30
+    if case == "nonfinite":
+        x[0, 0], us[1, 2, 3] = float("inf"), float("nan")
+    if case == "one_tangent":
+        us = us[:1]
+    if case == "requires_grad":
+        x.requires_grad_(True)
+    s, finite = _choose_scales([(x, us)], us.shape[0])
+    assert s.dtype == torch.float64 and s.tolist() == _reference_scales(x.detach(), us, _R_DEFAULT)
+    assert finite is (case in ("plain", "one_tangent", "requires_grad"))
+
 def test_zero_tangent_gives_zero_jvp():
     x = randn(3, 4)
     y, t = jvpreg.jvp(mlp(), (x,), (torch.zeros_like(x),))
