@@ -226,12 +226,21 @@ def test_capture_benchmark_writes_ratios_and_checks_every_engine(tmp_path):
 
     out = tmp_path / "cap"
     assert capture.main(["--suites", "small", "--methods", "forward_2B,eager,captured", "--rounds", "2",
-                         "--warmup", "1", "--threads", "1", "--out", str(out), "--no-progress"]) == 0
+                         "--warmup", "1", "--burst", "2", "--threads", "1", "--out", str(out), "--no-progress"]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
+    assert result["meta"]["burst"] == 2 and "mean of 2 back-to-back calls" in out.with_suffix(".md").read_text()
     assert [r["model"] for r in result["rows"]] and all(r["captured/fwd2B"] > 0 for r in result["rows"])
     assert all(r["rel_diff"]["captured"] == 0.0 for r in result["rows"])  # the replay runs the recorded kernels
     assert "captured/fwd2B" in result["geomean"] or result["geomean"]
     assert "| model" in out.with_suffix(".md").read_text()
+
+
+def test_capture_benchmark_refuses_a_burst_below_one(capsys):
+    from jvpreg.bench import capture
+
+    with pytest.raises(SystemExit):
+        capture.main(["--burst", "0"])
+    assert "--burst: expected a positive number of calls, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow

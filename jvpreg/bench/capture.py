@@ -147,8 +147,10 @@ def _jvp_of(result) -> torch.Tensor | None:
 
 
 def bench_model(name: str, model: nn.Module, x: torch.Tensor, methods, rounds: int, warmup: int,
-                autocast: torch.dtype | None, clock: str = "wall") -> dict:
-    """Interleaved medians (seconds) of every method on one model, plus the JVP check."""
+                autocast: torch.dtype | None, clock: str = "wall", burst: int = 1) -> dict:
+    """Interleaved medians (seconds per call) of every method on one model, plus the JVP check. Each round
+    times ``burst`` back-to-back calls of each method: 1 measures a call that follows other work (cold caches,
+    as in a training step); more measure a call that follows itself."""
     device = x.device
     u = torch.randn_like(x)
     fns = method_fns(model, x, u, methods)
@@ -184,13 +186,14 @@ def bench_model(name: str, model: nn.Module, x: torch.Tensor, methods, rounds: i
                 sync(device)
                 t0 = now()
                 try:
-                    fn()
+                    for _ in range(burst):
+                        fn()
                 except Exception as err:  # e.g. a recompilation that crashes: recorded, never fatal
                     row["errors"][meth] = f"{type(err).__name__} (timed run): {str(err).splitlines()[0][:140]}"
                     del live[meth], times[meth]
                     continue
                 sync(device)
-                times[meth].append(now() - t0)
+                times[meth].append((now() - t0) / burst)
     import statistics
 
     row["times"] = {m: statistics.median(v) for m, v in times.items()}
@@ -216,7 +219,7 @@ class _null:
 
 
 def run(suites, methods, rounds: int, warmup: int, device: str, mode: str, autocast, progress: bool,
-        clock: str = "wall", batch_size: int | None = None) -> dict:
+        clock: str = "wall", batch_size: int | None = None, burst: int = 1) -> dict:
     from tqdm.auto import tqdm
 
     specs = [(s, n, b, shp) for s in suites for n, (b, shp) in SUITES[s].items()]
@@ -230,7 +233,7 @@ def run(suites, methods, rounds: int, warmup: int, device: str, mode: str, autoc
         if batch_size:
             shape = (batch_size, *shape[1:])
         x = torch.randn(*shape, device=device)
-        row = bench_model(name, model, x, methods, rounds, warmup, autocast, clock)
+        row = bench_model(name, model, x, methods, rounds, warmup, autocast, clock, burst)
         row["suite"], row["shape"] = suite, list(shape)
         rows.append(row)
         del model
@@ -252,8 +255,12 @@ def to_markdown(result: dict, meta: dict) -> str:
              f"Machine: {meta['machine']['cpu']} ({meta['machine']['cpu_cores']} cores, torch threads "
              f"{meta['machine']['torch_threads']}), GPU: {meta['machine']['gpu'] or 'none'}, torch "
              f"{meta['machine']['torch']}; load average before the run: {meta['load']}  ",
-             f"Medians of {meta['rounds']} interleaved rounds (methods in a fresh random order each round) after {meta['warmup']} warm-up runs "
-             f"({meta['clock']} clock); times in ms; float32.", ""]
+             f"Medians of {meta['rounds']} interleaved rounds (methods in a fresh random order each round) after "
+             f"{meta['warmup']} warm-up runs ({meta['clock']} clock); "
+             + ("each time is one call, which follows other methods' work (cold caches); "
+                if meta.get("burst", 1) == 1 else
+                f"each time is the mean of {meta['burst']} back-to-back calls (warm caches); ")
+             + "times in ms; float32.", ""]
     headers = ["model", "input"] + list(methods) + ["eager / fwd 2B", "captured / fwd 2B",
                                                     "compiled / compiled fwd 2B", "fastest autodiff / best clone"]
     table = []
@@ -283,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="drop the torch.compile methods (minutes of compiling)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--burst", type=int, default=1,
+                    help="back-to-back calls timed per method and round (1: each call follows other methods' work)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--mode", choices=("eval", "train"), default="eval")
     ap.add_argument("--autocast", choices=("none", "bf16"), default="none")
@@ -307,11 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         steady_malloc()
     autocast = torch.bfloat16 if args.autocast == "bf16" else None
     load = load_average()
+    if args.burst < 1:
+        ap.error(f"--burst: expected a positive number of calls, got {args.burst}")
     result = run(suites, methods, args.rounds, args.warmup, args.device, args.mode, autocast, not args.no_progress,
-                 args.clock, args.batch_size)
+                 args.clock, args.batch_size, args.burst)
     meta = {"command": command_line("python -m jvpreg.bench capture", argv), "machine": machine_description(args.device),
             "device": args.device, "mode": args.mode, "autocast": args.autocast if autocast else None,
-            "rounds": args.rounds, "warmup": args.warmup, "methods": methods, "clock": args.clock,
+            "rounds": args.rounds, "warmup": args.warmup, "burst": args.burst, "methods": methods, "clock": args.clock,
             "load": ", ".join(f"{v:.2f}" for v in load) if load else "n/a"}
     md = to_markdown(result, meta)
     print(md)
