@@ -21,6 +21,9 @@ autograd the same decomposition. Anything else (no binding, a failed or mismatch
 meta walk cannot run) keeps the handle. The program's inputs have fixed shapes and dtypes (the capture
 guards them), so a node's check holds for every replay; verdicts are remembered per operator and
 described arguments. ``gm`` itself keeps the ``OpOverload`` targets (``torch.compile`` reads them).
+
+Cost, once per captured program (meta kernels are Python): 0.1 s for a 4-layer ViT, 0.25 s for
+MobileNetV3-small, 0.2 s for ResNet-50, 1 s for DenseNet-121 (its concatenations) on this CPU.
 """
 from __future__ import annotations
 
