@@ -185,10 +185,18 @@ def test_tensorboard_missing_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_sim_two_cpu_processes(tmp_path):
-    result, objects = train(make_cfg(tmp_path, [
-        "trainer=ddp_sim", "logger=csv", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
-        "trainer.limit_val_batches=2", "robustness.max_samples=32", "robustness.jacobian_max_samples=8",
-        "robustness.pgd_steps=1"]))
+    overrides = ["trainer=ddp_sim", "logger=csv", "trainer.max_epochs=1", "trainer.limit_train_batches=4",
+                 "trainer.limit_val_batches=2", "robustness.max_samples=32", "robustness.jacobian_max_samples=8",
+                 "robustness.pgd_steps=1"]
+    try:
+        result, objects = train(make_cfg(tmp_path / "first", overrides))
+    except torch.multiprocessing.ProcessExitedException as err:
+        # Seen once in ~15 runs: a spawned gloo worker aborting as it exits ("terminate called without an active
+        # exception", SIGABRT) after its work was done; not reproducible alone or under load. One fresh retry;
+        # any other failure, or the same one twice, fails the test.
+        if getattr(err, "signal_name", None) != "SIGABRT":
+            raise
+        result, objects = train(make_cfg(tmp_path / "retry", overrides))
     assert objects["trainer"].world_size == 2
     assert os.path.isfile(result["paths"]["best_checkpoint"])
     assert "test/acc" in result["metrics"] and "robustness/clean_acc" in result["metrics"]

@@ -465,7 +465,8 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
     return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
                     out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]),
-                    attrs=_baked_attributes(gm, rec), replay=replay_function(gm))
+                    attrs=_baked_attributes(gm, rec),
+                    replay=None if _tensor._COMPILING[0] else replay_function(gm))  # compiled: never replayed
 
 
 def _storages(tensors) -> set:
