@@ -78,7 +78,10 @@ def _recorded(fn: Callable, args: tuple, kwargs: dict) -> Tuple[Optional[list], 
 
 
 def _binding(op: torch._ops.OpOverload) -> Tuple[Optional[str], Any]:
-    """``("function", f)`` or ``("method", name)``: the generated Python binding named like ``op``."""
+    """``("function", f)`` or ``("method", name)``: the generated Python binding named like ``op`` (aten ops only:
+    ``torch.add`` is no binding of a library's ``mylib::add``)."""
+    if op.namespace != "aten":
+        return None, None
     name = op._schema.name.split("::")[-1]
     for home in _BINDING_HOMES:
         f = getattr(home, name, None)

@@ -196,3 +196,16 @@ def test_opinfo_replay_equals_the_traced_program(op):
         assert _same(out, ref), f"{op.name}: the replay differs from the program on {sample}"
     if not traced_any:
         pytest.skip("make_fx traces none of its samples")
+
+
+def test_an_op_of_another_library_is_not_matched_to_a_torch_binding_of_the_same_name():
+    lib = torch.library.Library("jvpreg_test_replay", "FRAGMENT")
+    lib.define("add(Tensor a, Tensor b) -> Tensor")
+    lib.impl("add", lambda a, b: a - b, "CompositeExplicitAutograd")  # not torch.add
+    lib.impl("add", lambda a, b: torch.empty_like(a), "Meta")
+    op = torch.ops.jvpreg_test_replay.add.default
+    assert replay._binding(op) == (None, None)
+    x, y = torch.randn(3, dtype=D), torch.randn(3, dtype=D)
+    gm = traced(lambda a, b: op(a, b), x, y)
+    fn = replay.replay_function(gm)
+    torch.testing.assert_close(fn(x, y), x - y, rtol=0, atol=0)
