@@ -23,7 +23,8 @@ AD, so on a ViT they would fail; the clone methods keep the fused kernel.
 
 Methods that raise are recorded as ``fails`` with the error. For the JVP-based alternatives the
 benchmark also checks their parameter gradients against the clone step's on the same batch and
-direction (``grad_check``): ``torch.autograd.forward_ad`` runs on train-mode BatchNorm but its
+direction, in float64 (``grad_check``; in float32 a ReLU unit within rounding of its kink can flip
+between engines, see :meth:`Step.gradient`): ``torch.autograd.forward_ad`` runs on train-mode BatchNorm but its
 tangent is not correctly differentiable in reverse mode (wrong gradients, see
 ``tests/test_losses.py::test_native_batchnorm_forward_ad_is_not_a_valid_reference``). Likewise
 reverse mode through forward AD of LayerNorm (the ViT's ``func_jvp``): in float64, the derivative of
@@ -129,15 +130,23 @@ class Step:
         return None if engine is None else SharedForward(model, engine=engine)
 
     def gradient(self) -> Dict[str, torch.Tensor]:
-        """Parameter gradients at the initial weights along the fixed direction ``u`` (no update)."""
-        model = copy.deepcopy(self.initial).train()
+        """Parameter gradients at the initial weights along the fixed direction ``u`` (no update), in float64.
+
+        A ReLU network's JVP jumps where a pre-activation crosses 0, so in float32 two engines whose kernels round
+        the primal differently can disagree at a unit whose pre-activation is within rounding of 0: one such unit
+        (|x| = 5e-6) moved the compiled engine's float32 gradients of ResNet-18 by 1.4e-2. In float64 the engines
+        agree to 1e-13, and a wrong gradient (forward AD through train-mode BatchNorm) still shows at 1e-1."""
+        model = copy.deepcopy(self.initial).double().train()
         shared = self._shared(model)
-        loss = self.loss(model, shared, FixedDirection(self.u))
+        loss = self.loss(model, shared, FixedDirection(self.u.double()), batch=(self.x.double(), self.y, self.u.double()))
         grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
         return {n: g for (n, _), g in zip(model.named_parameters(), grads) if g is not None}
 
-    def loss(self, model: nn.Module, shared: Optional[SharedForward], penalty: JacobianFrobenius) -> torch.Tensor:
-        x, y, u, b = self.x, self.y, self.u, self.x.shape[0]
+    def loss(self, model: nn.Module, shared: Optional[SharedForward], penalty: JacobianFrobenius,
+             batch: Optional[tuple] = None) -> torch.Tensor:
+        """The step's loss on ``batch`` = ``(x, y, u)`` (default: the step's own)."""
+        x, y, u = (self.x, self.y, self.u) if batch is None else batch
+        b = x.shape[0]
         if self.method in ("plain", "plain_compiled"):
             return F.cross_entropy((self.forward if model is self.model else model)(x), y)
         if shared is not None:  # the callbacks' code path: hooks armed around the user's forward
