@@ -66,6 +66,17 @@ def _describe(value: Any) -> Any:
     return value
 
 
+def _fresh(value: Any) -> Any:
+    """A new meta tensor with ``value``'s shape, strides, offset and dtype (what the binding's run gets: an in-place
+    op of the overload's run must not change what it sees)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    size = value.storage_offset() + sum((n - 1) * st for n, st in zip(value.shape, value.stride())) + 1 \
+        if value.numel() else value.storage_offset()
+    return torch.empty(size, dtype=value.dtype, device="meta").as_strided(value.shape, value.stride(),
+                                                                         value.storage_offset())
+
+
 def _recorded(fn: Callable, args: tuple, kwargs: dict) -> Tuple[Optional[list], Any]:
     """The operator calls ``fn(*args, **kwargs)`` makes and its result, or ``(None, None)`` if it raises."""
     rec = _Recorder()
@@ -94,19 +105,23 @@ def _binding(op: torch._ops.OpOverload) -> Tuple[Optional[str], Any]:
 
 
 def _check(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Tuple[Tuple[Optional[str], Any], Any]:
-    """``((kind, binding) or (None, None), the op's meta result)`` for one node's meta arguments."""
-    expected, out = _recorded(op, args, kwargs)
+    """``((kind, binding) or (None, None), the op's meta result)`` for one node's meta arguments. The arguments are
+    described, and copied for the binding, before the op runs (it may change them in place)."""
     kind, binding = _binding(op)
-    if kind is None or not expected:
-        return (None, None), out
+    if kind is None:
+        return (None, None), _recorded(op, args, kwargs)[1]
     try:
         key = (op, repr(tree_map(_describe, (args, kwargs))))
     except Exception:  # noqa: BLE001 - not describable: checked, not remembered
         key = None
+    fresh = tree_map(_fresh, (args, kwargs))
+    expected, out = _recorded(op, args, kwargs)
+    if not expected:
+        return (None, None), out
     if key is not None and key in _CHECKED:
         return _CHECKED[key], out
     fn = binding if kind == "function" else (lambda self, *a, **k: getattr(self, binding)(*a, **k))
-    got, _ = _recorded(fn, args, kwargs)
+    got, _ = _recorded(fn, *fresh)
     verdict = (kind, binding) if got == expected else (None, None)
     if key is not None:
         if len(_CHECKED) > 4096:

@@ -209,3 +209,13 @@ def test_an_op_of_another_library_is_not_matched_to_a_torch_binding_of_the_same_
     gm = traced(lambda a, b: op(a, b), x, y)
     fn = replay.replay_function(gm)
     torch.testing.assert_close(fn(x, y), x - y, rtol=0, atol=0)
+
+
+def test_an_in_place_op_that_changes_its_input_shape_is_checked_on_the_shape_it_was_called_with():
+    x = torch.randn(1, 3, dtype=D)
+    gm = traced(lambda x: x.clone().squeeze_(0) * 2, x)
+    replay._CHECKED.clear()
+    fn = replay.replay_function(gm)
+    torch.testing.assert_close(fn(x), x[0] * 2, rtol=0, atol=0)
+    squeezes = [k for k in replay._CHECKED if "squeeze_" in str(k[0])]
+    assert squeezes and all(v[0] is not None for k, v in replay._CHECKED.items() if k in squeezes), replay._CHECKED
