@@ -36,6 +36,18 @@ def assert_tree_close(got, want, rtol: float = RTOL, what: str = "") -> None:
             assert torch.equal(g, w.to(g.dtype)), f"{what}[{i}]: integer outputs differ"
 
 
+def once_more_if_a_spawned_worker_aborts_at_exit(run):
+    """``run()``, and once more if a spawned gloo worker aborted as it exited (SIGABRT after its work was done,
+    "terminate called without an active exception": a background thread left at interpreter teardown, seen
+    under CPU load in 2 of ~20 runs, in tests that had passed). Any other failure, or the same one twice, raises."""
+    try:
+        return run()
+    except torch.multiprocessing.ProcessExitedException as err:
+        if getattr(err, "signal_name", None) != "SIGABRT":
+            raise
+        return run()
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
                      help="also run the tests marked slow (CI runs everything)")

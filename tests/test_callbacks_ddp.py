@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import once_more_if_a_spawned_worker_aborts_at_exit
 from jvpreg.callbacks import JacobianRegularizer, TangentPropRegularizer
 from jvpreg.losses import regularized_forward
 
@@ -56,11 +57,16 @@ def test_ddp_spawn_cpu_matches_single_process_simulation():
     x, y = torch.randn(16, 1, 4, 4, generator=g), torch.randint(0, 3, (16,), generator=g)
     cbs = [JacobianRegularizer(LAM, seed=0), TangentPropRegularizer(LAM, transforms="rotate")]
     penalties = [[copy.deepcopy(c.penalty) for c in cbs] for _ in range(2)]  # one generator state per rank
-    model = DDPLit(copy.deepcopy(net), torch.utils.data.TensorDataset(x, y))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2, callbacks=cbs,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(model)
+
+    def fit():
+        model = DDPLit(copy.deepcopy(net), torch.utils.data.TensorDataset(x, y))
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=2,
+                             callbacks=copy.deepcopy(cbs), logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+        trainer.fit(model)
+        return model
+
+    model = once_more_if_a_spawned_worker_aborts_at_exit(fit)
 
     sim = copy.deepcopy(net)
     opt = torch.optim.SGD(sim.parameters(), lr=0.5)
@@ -73,3 +79,27 @@ def test_ddp_spawn_cpu_matches_single_process_simulation():
         opt.step()
     for (n, a), b in zip(model.net.named_parameters(), sim.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_the_spawn_retry_runs_once_more_only_for_an_abort_at_exit():
+    def failing(signal_name, then=None):
+        calls = []
+
+        def run():
+            calls.append(1)
+            if len(calls) == 1 or then is None:
+                raise torch.multiprocessing.ProcessExitedException(
+                    "process 1 terminated", error_index=1, error_pid=1, exit_code=-6, signal_name=signal_name)
+            return then
+        return run, calls
+
+    run, calls = failing("SIGABRT", then=42)
+    assert once_more_if_a_spawned_worker_aborts_at_exit(run) == 42 and len(calls) == 2
+    run, calls = failing("SIGSEGV", then=42)
+    with pytest.raises(torch.multiprocessing.ProcessExitedException):
+        once_more_if_a_spawned_worker_aborts_at_exit(run)
+    assert len(calls) == 1
+    run, calls = failing("SIGABRT")  # twice: fails
+    with pytest.raises(torch.multiprocessing.ProcessExitedException):
+        once_more_if_a_spawned_worker_aborts_at_exit(run)
+    assert len(calls) == 2
