@@ -38,8 +38,8 @@ def assert_tree_close(got, want, rtol: float = RTOL, what: str = "") -> None:
 
 def once_more_if_a_spawned_worker_aborts_at_exit(run):
     """``run()``, and once more if a spawned gloo worker aborted as it exited (SIGABRT after its work was done,
-    "terminate called without an active exception": a background thread left at interpreter teardown, seen
-    under CPU load in 2 of ~20 runs, in tests that had passed). Any other failure, or the same one twice, raises."""
+    "terminate called without an active exception": a background thread left at interpreter teardown; seen in
+    2 of 4 full runs of one day, both with other jobs loading the CPU, in tests whose work had passed). Any other failure, or the same one twice, raises."""
     try:
         return run()
     except torch.multiprocessing.ProcessExitedException as err:
