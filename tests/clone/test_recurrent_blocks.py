@@ -65,3 +65,38 @@ def test_elman_rnn_dropout_between_layers_uses_one_mask_for_every_block():
     rnn.eval()
     f = lambda z: rnn(z)[0]
     torch.testing.assert_close(jvpreg.jvp(f, (x,), (u,))[1], torch.func.jvp(f, (x,), (u,))[1], rtol=1e-10, atol=1e-12)
+
+
+class _Seq(nn.Module):
+    """A recurrent module returning its output and final states (the tangent recurrence and its last state)."""
+
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x, h0=None):
+        out, state = self.rnn(x, h0)
+        return (out, *state) if isinstance(state, tuple) else (out, state)
+
+
+RECURRENT = {
+    "tanh-2layers-bidirectional": lambda: nn.RNN(4, 5, num_layers=2, bidirectional=True),
+    "lstm-proj-bidirectional": lambda: nn.LSTM(4, 5, proj_size=3, bidirectional=True),
+    "lstm-2layers-batch_first": lambda: nn.LSTM(4, 5, num_layers=2, batch_first=True),
+    "gru-2layers-bidirectional": lambda: nn.GRU(4, 5, num_layers=2, bidirectional=True),
+}
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("name", list(RECURRENT))
+def test_several_tangents_and_an_initial_state_tangent_match_torch_func(name, engine):
+    """k = 3 directions in one pass: the tangent recurrence runs on (k B)-row matrices (block-major rows)."""
+    torch.manual_seed(0)
+    net = _Seq(RECURRENT[name]().to(D))
+    x = torch.randn(6, 2, 4, dtype=D)
+    us = torch.randn(3, *x.shape, dtype=D)
+    _, got = jvpreg.jvp(net, (x,), (us,), batched_tangents=True, engine=engine)
+    for j in range(3):
+        _, ref = torch.func.jvp(net, (x,), (us[j],))
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g[j], r, rtol=1e-10, atol=1e-12)

@@ -156,6 +156,23 @@ def _elman_step(pre, mode):
     return stack_blocks(o, o + (1 - o * o) * (pre[1:] - pre[0]))
 
 
+def _rows(t: torch.Tensor) -> tuple:
+    """``(K-1, T, B, G)`` -> ``T`` matrices ``((K-1) B, G)``: a tangent recurrence runs on 2-D rows, so the input
+    part and the recurrent product of a step are one ``addmm``."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1, t.shape[-1]).unbind(0)
+
+
+def _step_rows(t: torch.Tensor, k1: int) -> tuple:
+    """``(T, B, G)`` primal slopes -> ``T`` matrices ``((K-1) B, G)`` matching :func:`_rows` (block-major rows)."""
+    return (t.repeat(1, k1, 1) if k1 > 1 else t).unbind(0)
+
+
+def _unrows(steps: list, k1: int) -> torch.Tensor:
+    """``T`` matrices ``((K-1) B, H)`` -> ``(K-1, T, B, H)``."""
+    out = torch.stack(steps, 0)
+    return out.reshape(out.shape[0], k1, -1, out.shape[-1]).transpose(0, 1)
+
+
 def _lstm_layer(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, reverse):
     """One LSTM layer and direction on physical blocks (``x``: ``(K, T, B, F)``, ``h``, ``c``: ``(K, B, .)``):
     the primal by torch's fused kernel, its gates for every step in two products, and only the tangent run step
@@ -186,20 +203,23 @@ def _lstm_layer(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, reverse):
     slopes = torch.cat([dsi * tg, dsf * c_prev, si * (1 - tg * tg), dso * tc], -1)  # per gate, every step
     carry = so * (1 - tc * tc)
     dx = F.linear(x[1:] - x0, w_ih)                                              # (K-1, T, B, 4H)
-    dh, dc = h[1:] - h0, c[1:] - c0
+    k1, w_t = dx.shape[0], w_hh.t()
+    dh, dc = (h[1:] - h0).reshape(-1, h0.shape[-1]), (c[1:] - c0).reshape(-1, hid)
     dhs = []
-    for dx_t, slope_t, sf_t, carry_t in zip(dx.unbind(1), slopes.unbind(0), sfs, carry.unbind(0)):
-        m = (dx_t + F.linear(dh, w_hh)) * slope_t
+    per_step = (_rows(dx), *(_step_rows(t, k1) for t in (slopes, sf, carry)))
+    for dx_t, slope_t, sf_t, carry_t in zip(*per_step):
+        m = torch.addmm(dx_t, dh, w_t) * slope_t
         mi, mf, mg, mo = m.chunk(4, -1)
         dc = torch.addcmul(mi + mf + mg, sf_t, dc)
         dh = torch.addcmul(mo, carry_t, dc)
         if w_hr is not None:
             dh = F.linear(dh, w_hr)
         dhs.append(dh)
-    out = stack_blocks(out0, out0 + torch.stack(dhs, 1))
+    out = stack_blocks(out0, out0 + _unrows(dhs, k1))
     if reverse:
         out = out.flip(1)
-    return out, stack_blocks(hT[0], hT[0] + dh), stack_blocks(cT[0], cT[0] + dc)
+    return (out, stack_blocks(hT[0], hT[0] + dh.view(k1, *hT[0].shape)),
+            stack_blocks(cT[0], cT[0] + dc.view(k1, *cT[0].shape)))
 
 
 def _elman_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
@@ -211,14 +231,15 @@ def _elman_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
     weights = [w for w in (w_ih, w_hh, b_ih, b_hh) if w is not None]
     out0, hT = torch.rnn_tanh(x0, h0[None], weights, b_ih is not None, 1, 0.0, False, False, False)
     dx = F.linear(x[1:] - x0, w_ih)                                              # (K-1, T, B, H)
-    dh, dhs = h[1:] - h0, []
-    for dx_t, slope_t in zip(dx.unbind(1), (1 - out0 * out0).unbind(0)):
-        dh = (dx_t + F.linear(dh, w_hh)) * slope_t
+    k1, w_t = dx.shape[0], w_hh.t()
+    dh, dhs = (h[1:] - h0).reshape(-1, h0.shape[-1]), []
+    for dx_t, slope_t in zip(_rows(dx), _step_rows(1 - out0 * out0, k1)):
+        dh = torch.addmm(dx_t, dh, w_t) * slope_t
         dhs.append(dh)
-    out = stack_blocks(out0, out0 + torch.stack(dhs, 1))
+    out = stack_blocks(out0, out0 + _unrows(dhs, k1))
     if reverse:
         out = out.flip(1)
-    return out, stack_blocks(hT[0], hT[0] + dh)
+    return out, stack_blocks(hT[0], hT[0] + dh.view(k1, *hT[0].shape))
 
 
 def _gru_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
@@ -239,21 +260,20 @@ def _gru_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
     n = torch.tanh(gx[..., 2 * hid:] + r * ghn)
     drz, dn0, hmn, omz = rz * (1 - rz), 1 - n * n, hs - n, 1 - z
     dx = F.linear(x[1:] - x0, w_ih)                                              # (K-1, T, B, 3H)
-    dh = h[1:] - h0
-    dhs = []
-    per_step = (dx.unbind(1), drz.unbind(0), r.unbind(0), ghn.unbind(0), dn0.unbind(0), hmn.unbind(0),
-                omz.unbind(0), z.unbind(0))
-    for dx_t, drz_t, r_t, ghn_t, dn0_t, hmn_t, omz_t, z_t in zip(*per_step):
-        dgh = F.linear(dh, w_hh)
-        drz_s = (dx_t[..., :2 * hid] + dgh[..., :2 * hid]) * drz_t
-        dr, dz = drz_s[..., :hid], drz_s[..., hid:]
-        dn = torch.addcmul(torch.addcmul(dx_t[..., 2 * hid:], r_t, dgh[..., 2 * hid:]), dr, ghn_t) * dn0_t
+    k1, w_rz, w_n = dx.shape[0], w_hh[:2 * hid].t(), w_hh[2 * hid:].t()
+    dh, dhs = (h[1:] - h0).reshape(-1, hid), []
+    per_step = (_rows(dx[..., :2 * hid]), _rows(dx[..., 2 * hid:]),
+                *(_step_rows(t, k1) for t in (drz, r, ghn, dn0, hmn, omz, z)))
+    for dx_rz, dx_n, drz_t, r_t, ghn_t, dn0_t, hmn_t, omz_t, z_t in zip(*per_step):
+        drz_s = torch.addmm(dx_rz, dh, w_rz) * drz_t
+        dr, dz = drz_s[:, :hid], drz_s[:, hid:]
+        dn = torch.addcmul(torch.addcmul(dx_n, r_t, dh @ w_n), dr, ghn_t) * dn0_t
         dh = torch.addcmul(torch.addcmul(dz * hmn_t, omz_t, dn), z_t, dh)
         dhs.append(dh)
-    out = stack_blocks(out0, out0 + torch.stack(dhs, 1))
+    out = stack_blocks(out0, out0 + _unrows(dhs, k1))
     if reverse:
         out = out.flip(1)
-    return out, stack_blocks(hT[0], hT[0] + dh)
+    return out, stack_blocks(hT[0], hT[0] + dh.view(k1, *hT[0].shape))
 
 
 def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
