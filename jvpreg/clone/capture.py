@@ -200,16 +200,18 @@ class _Record:
     children of every module except torch.nn leaves whose forward reads neither (``Linear``, ``ReLU``, ...:
     :func:`_stateless_leaf`); the forward hooks through torch's global hook-handle counter."""
 
-    modules: List[nn.Module]
+    modules: List[nn.Module]            # the submodules, the module itself left out (see ``root``)
     children: List[Tuple[Any, ...]]
     slots: List[Tuple[Dict[str, Any], str]]
     child_dicts: List[Dict[str, Any]] = field(default_factory=list)
     hooks: str = ""
     programs: Dict[Any, _Program] = field(default_factory=dict)
-    flagged: List[nn.Module] = field(default_factory=list)   # modules whose training flag is guarded
+    flagged: List[nn.Module] = field(default_factory=list)   # submodules whose training flag is guarded
     hook_epoch: int = -1
     slot_stores: Optional[Tuple[Dict[str, Any], ...]] = None  # slots, unzipped once
     slot_names: Tuple[str, ...] = ()
+    root: Optional[Callable[[], Any]] = None  # a weak reference: the record is the value of a weak-keyed dict, and
+    root_flagged: bool = False                # a strong one would keep the module (and its programs) alive forever
 
     @classmethod
     def of(cls, module: nn.Module) -> "_Record":
@@ -217,8 +219,10 @@ class _Record:
         slots = [(store, name) for m in mods for store in (m._parameters, m._buffers) for name in store]
         guarded = [m for m in mods if not _stateless_leaf(m)]
         dicts = [m._modules for m in guarded]
-        return cls(mods, [tuple(d.values()) for d in dicts], slots, child_dicts=dicts,
-                   hooks=_foreign_hooks(module, mods), flagged=guarded, hook_epoch=RemovableHandle.next_id)
+        return cls([m for m in mods if m is not module], [tuple(d.values()) for d in dicts], slots,
+                   child_dicts=dicts, hooks=_foreign_hooks(module, mods),
+                   flagged=[m for m in guarded if m is not module], hook_epoch=RemovableHandle.next_id,
+                   root=weakref.ref(module), root_flagged=any(m is module for m in guarded))
 
     def valid(self) -> bool:
         return list(map(tuple, map(dict.values, self.child_dicts))) == self.children
@@ -226,7 +230,7 @@ class _Record:
     def check_hooks(self, root: nn.Module) -> None:
         """Rescan the forward hooks if any hook was registered anywhere since the last scan (one int compare)."""
         if self.hook_epoch != RemovableHandle.next_id:
-            self.hooks, self.hook_epoch = _foreign_hooks(root, self.modules), RemovableHandle.next_id
+            self.hooks, self.hook_epoch = _foreign_hooks(root, [root, *self.modules]), RemovableHandle.next_id
 
     def slot_values(self) -> List[Any]:
         """The tensor (or ``None``) in every parameter and buffer slot now."""
@@ -273,7 +277,7 @@ def _foreign_hooks(root: nn.Module, mods: List[nn.Module]) -> str:
 
 
 def _unsupported(module: nn.Module, rec: _Record) -> str:
-    for m in rec.modules:
+    for m in (module, *rec.modules):
         if type(m).__name__.startswith("FSDP") or hasattr(m, "_get_fsdp_state"):
             return "the module is sharded by FSDP (its all-gathers run in FSDP's hooks)"
         if isinstance(m, nn.SyncBatchNorm) and m.training:
@@ -344,7 +348,8 @@ def _key(rec: _Record, call_id: Any, in_spec: Any, leaves: List[Any], slot_value
         slot_sig = tuple(map(id, slot_values))
     sigs = tuple(map(_leaf_sig, leaves)) if finite is None else tuple(_leaf_sig(leaf, finite) for leaf in leaves)
     return (call_id, in_spec, sigs, slot_sig,
-            tuple(map(_TRAINING, rec.flagged)), torch.is_grad_enabled(), _autocast_state(),
+            rec.root_flagged and rec.root().training, tuple(map(_TRAINING, rec.flagged)), torch.is_grad_enabled(),
+            _autocast_state(),
             _FALLBACK["mode"])
 
 
@@ -496,10 +501,12 @@ def _check_constants(gm: torch.fx.GraphModule, traced: set) -> None:
 
 def _baked_attributes(gm: torch.fx.GraphModule, rec: _Record) -> Tuple[Any, ...]:
     """Plain tensor attributes of the modules (``self.scale = torch.tensor(2.0)``) that the program holds
-    as constants: a reassigned attribute must recapture, not replay the old tensor."""
+    as constants: a reassigned attribute must recapture, not replay the old tensor. ``(dict, name, tensor)``, with
+    ``None`` for the module's own ``__dict__`` (read at the call: the record holds the module weakly)."""
     consts = {id(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
-    return tuple((m.__dict__, name, value) for m in rec.modules for name, value in m.__dict__.items()
-                 if isinstance(value, torch.Tensor) and id(value) in consts)
+    root = rec.root()
+    return tuple((None if m is root else m.__dict__, name, value) for m in (root, *rec.modules)
+                 for name, value in m.__dict__.items() if isinstance(value, torch.Tensor) and id(value) in consts)
 
 
 def _note_grad_mode(tracer: Any) -> None:
@@ -624,7 +631,8 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     compiled = engine == "compiled"  # its own program: rules may pick what Inductor fuses best (tensor.compiling)
     key = _key(rec, (fn_key, "compiled") if compiled else fn_key, in_spec, leaves, slot_values, finite)
     prog = rec.programs.get(key)
-    if prog is not None and prog.attrs and not all(d.get(n) is v for d, n, v in prog.attrs):
+    if prog is not None and prog.attrs and not all((module.__dict__ if d is None else d).get(n) is v
+                                                   for d, n, v in prog.attrs):
         prog = None  # a tensor attribute the program baked in was reassigned
     if prog is None:
         reason = _unsupported(module, rec)

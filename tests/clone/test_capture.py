@@ -281,8 +281,9 @@ def test_training_flags_guarded_except_on_stateless_torch_leaves():
                           SubLinear(4, 4)).to(D).train()
     x, u = randn(3, 4), randn(3, 4)
     jvpreg.jvp(model, (x,), (u,))
-    flagged = capture._RECORDS[model].flagged
-    assert {type(m) for m in flagged} == {nn.Sequential, nn.Dropout, nn.BatchNorm1d, User, SubLinear}
+    rec = capture._RECORDS[model]
+    flagged = {type(m) for m in rec.flagged} | ({type(model)} if rec.root_flagged else set())  # root: held weakly
+    assert flagged == {nn.Sequential, nn.Dropout, nn.BatchNorm1d, User, SubLinear}
     model[4].eval()  # only the user module: recaptures, and the flag's branch is taken
     model[2].eval()
     with torch.no_grad():
@@ -542,3 +543,32 @@ def test_an_alias_the_tracer_cannot_see_is_refused_not_baked_as_a_constant(monke
     _, t = jvpreg.jvp(model, (x2,), (u2,), engine="captured")
     _, want = jvpreg.jvp(model, (x2,), (u2,), engine="eager")
     torch.testing.assert_close(t, want, rtol=1e-12, atol=1e-12)
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = torch.tensor(2.0, dtype=D)  # a plain tensor attribute the program bakes in
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * self.scale
+
+
+@pytest.mark.parametrize("engine", ["captured", "compiled"])
+def test_a_captured_module_is_freed_with_its_programs_when_the_caller_drops_it(engine):
+    """The records live in a weak-keyed dict: a record that held its module strongly kept every module ever
+    captured (and its programs) alive for the life of the process."""
+    import gc
+    import weakref
+
+    refs = []
+    for _ in range(3):
+        m = _Scaled().to(D)
+        x = torch.randn(2, 4, dtype=D)
+        jvpreg.jvp(m, (x,), (torch.randn_like(x),), engine=engine)
+        assert capture.programs(m)
+        refs.append(weakref.ref(m))
+        del m
+    gc.collect()
+    assert [r() for r in refs] == [None] * 3
