@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from jvpreg.clone import kernels
+from jvpreg.clone.rules.normalization import _channel_view, _group_norm_tangent_composite
 
 D = torch.float64
 EPS = 1e-5
@@ -122,14 +123,8 @@ def _gn_tangent(d, a, w, groups):
 
 
 def _gn_tangent_composite(d, a, w, groups):
-    n = a.shape[0]
-    ag = a.reshape(n, groups, -1)
-    var, mean = torch.var_mean(ag, dim=-1, correction=0, keepdim=True)
-    rstd = torch.rsqrt(var + EPS)
-    xg = (ag - mean) * rstd
-    dg = d.reshape(d.shape[0], n, groups, -1)
-    t = ((dg - dg.mean(-1, keepdim=True) - xg * (dg * xg).mean(-1, keepdim=True)) * rstd).reshape(d.shape)
-    return t if w is None else t * w.reshape(1, -1, *([1] * (a.dim() - 2)))
+    """The GroupNorm rule's primitive-op form (torch.func transforms, compiling): what the operator must equal."""
+    return _group_norm_tangent_composite(d, a, w, groups, EPS, lambda p: _channel_view(p, a.dim()))
 
 
 @pytest.mark.parametrize("shape, groups, blocks, affine", [((3, 6, 4, 4), 3, 1, True), ((2, 4, 5), 2, 2, True),
