@@ -55,10 +55,13 @@ def _(z):
 
 def _setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero gradient for the bool output
     ctx.save_for_backward(output[1])
 
 
 def _backward(ctx, grad, _grad_keep):
+    if grad is None:
+        return None
     (keep,) = ctx.saved_tensors
     return _threshold_backward(grad, keep.view(torch.uint8).to(grad.dtype).expand_as(grad), 0)  # (uint8: 7x faster)
 
@@ -94,6 +97,7 @@ def _fake_tangent_and_sums(d, a, weight, mean, rstd, _setting):
 def _keep_inputs_and_sums(ctx, inputs, output):
     """Save ``(d, a, weight, mean, rstd)`` and the two sums; the last input (eps or groups) as ``ctx.setting``."""
     ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)  # no zero gradients for the sums
     ctx.setting = inputs[-1]
     ctx.save_for_backward(*inputs[:-1], output[1], output[2])
 
@@ -112,6 +116,8 @@ def _bn_tangent_backward(ctx, grad, _g_sdx, _g_sd):
     with ``A_j = S_Gd - mean(d_j) S_G``, ``c_j = mean(d_j xhat)``: two BatchNorm backward kernels and three fused
     multiply-adds per tangent, where autograd's double backward of ``native_batch_norm_backward`` takes ~7x longer.
     Under ``create_graph`` torch's own double backward runs instead (higher orders as in torch)."""
+    if grad is None:
+        return None, None, None, None, None, None
     d, a, weight, mean, invstd, sum_dx, sum_d = ctx.saved_tensors
     eps = ctx.setting
     if torch.is_grad_enabled():
@@ -189,6 +195,8 @@ group_norm_tangent.register_fake(_fake_tangent_and_sums)
 def _gn_tangent_backward(ctx, grad, _g_sdx, _g_sd):
     """Gradients of ``sum_j <g_j, t_j>``: the formulas of :func:`_bn_tangent_backward` per sample and group
     (``N`` there is the group's size ``M``), with ``G = gamma * g_j`` varying along the group's channels."""
+    if grad is None:
+        return None, None, None, None, None, None
     d, a, weight, mean, rstd, sum_dx, sum_d = ctx.saved_tensors
     groups = ctx.setting
     if torch.is_grad_enabled():

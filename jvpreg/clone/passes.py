@@ -17,7 +17,15 @@ that computes the same tensors with the same gradients:
 * each rule's output ``[a; a + t]`` as one ``stack``: ``op(b, unsqueeze(c, 0))`` -> ``unsqueeze(op(b, c), 0)``
   (:func:`_sink_unsqueezes`), then ``cat([unsqueeze(a, 0), ...])`` -> ``stack`` (:func:`_stack_unsqueezed_cats`);
 * ``add``/``mul`` with the contiguous operand first, so the result is contiguous (:func:`_contiguous_first`);
-* under autograd, a tensor's primal block and tangent blocks read through one ``split`` (:func:`_split_block_reads`).
+* an in-place rule's write-back ``copy_(x, f(x))`` replaced by ``f(x)`` where nothing else sees ``x``
+  (:func:`_drop_copies_back`);
+* one tangent's ``(1, *S)`` block against an ``S``-shaped primal squeezed, so no gradient is reduced over the
+  leading 1 (:func:`_squeeze_single_blocks`); ``select`` of a size-1 dim as ``squeeze`` (:func:`_squeeze_single_selects`);
+* under autograd, a tensor's primal block and tangent blocks read through one ``split`` (:func:`_split_block_reads`),
+  and every entry of a dim read one by one through one ``unbind`` (:func:`_unbind_full_selects`).
+
+The last four are about the backward: a ``select`` or a ``slice`` of a tensor has a backward that fills a zero
+tensor of its full size, a ``copy_`` one that gives the old value a zero gradient, a broadcast one that reduces.
 """
 from __future__ import annotations
 
@@ -72,12 +80,17 @@ def optimize(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool] = ()) -> No
     _fold_reshapes(graph)
     _fold_permutes(graph)
     _drop_noop_casts(graph)
+    _drop_copies_back(graph)
     _hoist_selects(graph)
     _select_through_slices(graph)
+    _sink_unsqueezes(graph)
+    _squeeze_single_blocks(graph)
     _sink_unsqueezes(graph)
     _stack_unsqueezed_cats(graph)
     _contiguous_first(graph)
     _split_block_reads(graph)
+    _unbind_full_selects(graph)
+    _squeeze_single_selects(graph)
     _drop_dead(graph)
     gm.recompile()
 
@@ -269,6 +282,136 @@ def _sink_unsqueezes(graph: torch.fx.Graph) -> None:
         graph.erase_node(node)
         graph.erase_node(unsq)
 
+
+
+def _fake_val(target: Any, args: tuple) -> Any:
+    """The fake value ``target(*args)`` would record (``None`` where an argument has none or the op fails)."""
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in args]
+    modes = [v.fake_mode for v in vals if hasattr(v, "fake_mode")]
+    if not modes or any(isinstance(a, torch.fx.Node) and v is None for a, v in zip(args, vals)):
+        return None
+    try:
+        with modes[0]:
+            return target(*vals)
+    except Exception:  # a value only changes what later passes know, never what runs
+        return None
+
+
+def _squeeze_single_blocks(graph: torch.fx.Graph) -> None:
+    """``op(t, b)`` with ``t`` of shape ``(1, *S)`` and ``b`` of shape ``S`` -> ``unsqueeze(op(squeeze(t, 0), b), 0)``
+    for add/sub/mul/div: the same values, and the backward hands ``b`` its gradient as it is, where broadcasting
+    made autograd reduce the leading 1 away (one full copy per op). One tangent's block against the primal: the
+    difference form's ``z_1 - a`` and a rule's ``a + t``, two per normalisation. :func:`_sink_unsqueezes` then
+    carries the unsqueeze to the rule's output stack."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _BINARY or node.kwargs or len(node.args) != 2:
+            continue
+        out = _shape(node)
+        if out is None or len(out) < 1 or out[0] != 1:
+            continue
+        pos = [i for i, a in enumerate(node.args) if _shape(a) == out]
+        other = node.args[1 - pos[0]] if len(pos) == 1 else None
+        if other is None or _shape(other) != out[1:]:
+            continue
+        t = node.args[pos[0]]
+        with graph.inserting_before(node):
+            if t.target is _UNSQUEEZE and tuple(t.args[1:]) == (0,):
+                sq = t.args[0]  # unsqueeze(c, 0): read c
+            else:
+                sq = graph.call_function(_SQUEEZE, (t, 0))
+                sq.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+                sq.meta["val"] = _fake_val(_SQUEEZE, (t, 0))
+            args = list(node.args)
+            args[pos[0]] = sq
+            new = graph.call_function(node.target, tuple(args))
+            unsq = graph.call_function(_UNSQUEEZE, (new, 0))
+        for n in (new, unsq):
+            n.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        new.meta["val"] = _fake_val(node.target, tuple(args))
+        unsq.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(unsq)
+        graph.erase_node(node)
+
+
+_COPY = torch.ops.aten.copy_.default
+
+
+def _fresh(node: Any) -> bool:
+    """``node`` is a new tensor made by an op of the program: no input, no view, no alias of an argument."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        src = node.args[0]
+        return (isinstance(src, torch.fx.Node) and isinstance(src.target, torch._ops.OpOverload)
+                and not src.target._schema.is_mutable
+                and all(r.alias_info is None for r in src.target._schema.returns))
+    return (isinstance(node.target, torch._ops.OpOverload) and not node.target._schema.is_mutable
+            and all(r.alias_info is None for r in node.target._schema.returns))
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.dtype == vb.dtype and va.device == vb.device and va.stride() == vb.stride())
+
+
+def _drop_copies_back(graph: torch.fx.Graph) -> None:
+    """``copy_(x, y)`` -> ``y`` for an in-place rule's write-back (an in-place relu: ``y = relu_blocks(x)``), when
+    ``x`` is a tensor the program made (no input, no view of it made before the copy read after it), ``y`` a new
+    tensor made from ``x`` and read only by the copy, both of one layout: every later read of ``x`` (or of a view
+    of it) reads ``y``. The same values; the forward saves a full copy, and the backward the zero gradient that
+    ``copy_`` gives ``x``'s old value and its sum with the real one (three full passes per relu)."""
+    for node in [n for n in graph.nodes if n.target is _COPY]:
+        if node.kwargs or len(node.args) != 2:
+            continue
+        x, y = node.args
+        if not (isinstance(x, torch.fx.Node) and _fresh(y) and set(y.users) == {node} and _same_layout(x, y)):
+            continue
+        base = x
+        while _written_by_self(base):
+            base = base.args[0]
+        if not _fresh(base):
+            continue  # an input, or a view: other reads see another shape of the same memory
+        cls = _aliases(base)
+        same = {base}  # base and its in-place results: the tensor x itself, under other names
+        for m in base.graph.nodes:
+            if m in cls and _written_by_self(m) and m.args[0] in same:
+                same.add(m)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        at = order[node]
+        if any(order[m] < at and m not in same and any(order.get(u, at + 1) > at for u in m.users) for m in cls):
+            continue  # a view of x made before the copy and read after it (it would read the old tensor)
+        producer = y.args[0] if y.target is operator.getitem else y
+        if not any(a in cls for a in producer.args if isinstance(a, torch.fx.Node)):
+            continue
+        for m in [m for m in same if order[m] < at]:  # x as it stood (views made later follow it)
+            for u in list(m.users):
+                if u is not node and order.get(u, -1) > at:
+                    u.replace_input_with(m, y)
+        node.replace_all_uses_with(y)
+        graph.erase_node(node)
+
+
+def _written_by_self(node: torch.fx.Node) -> bool:
+    """An in-place op whose result is its own first argument, written (``add_``, ``copy_``)."""
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable or not t._schema.returns:
+        return False
+    first, ret = t._schema.arguments[0], t._schema.returns[0]
+    return (first.alias_info is not None and first.alias_info.is_write and ret.alias_info is not None
+            and ret.alias_info.before_set == first.alias_info.before_set)
+
+
+def _aliases(base: torch.fx.Node) -> set:
+    """``base``, its views and in-place results, theirs, and so on."""
+    cls, todo = {base}, [base]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u not in cls and u.op == "call_function" and _is_view(u) and u.args and u.args[0] is n:
+                cls.add(u)
+                todo.append(u)
+    return cls
 
 
 def _hoist_selects(graph: torch.fx.Graph) -> None:
@@ -554,11 +697,13 @@ def _is_view(node: Any) -> bool:
     return isinstance(t, torch._ops.OpOverload) and any(r.alias_info is not None for r in t._schema.returns)
 
 
-def _mutated(graph: torch.fx.Graph) -> set:
-    """Nodes whose tensor an op writes into, with every view of them and every tensor they are a view of."""
-    written = {w for node in graph.nodes if node.op == "call_function" for w in _written(node)}
-    if not written:
-        return set()
+def _last_writes(graph: torch.fx.Graph) -> Dict[torch.fx.Node, int]:
+    """For each node whose tensor an op writes into, with every view of it and every tensor it is a view of:
+    the graph position of the last such write."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    writes = [(w, order[node]) for node in graph.nodes if node.op == "call_function" for w in _written(node)]
+    if not writes:
+        return {}
     # an alias class: a node, its views, their views, ... and back to the base
     parent: Dict[torch.fx.Node, torch.fx.Node] = {}
 
@@ -572,8 +717,11 @@ def _mutated(graph: torch.fx.Graph) -> set:
             a, b = root(node), root(node.args[0])
             if a is not b:
                 parent[a] = b
-    bad = {root(w) for w in written}
-    return {n for n in graph.nodes if root(n) in bad}
+    last: Dict[torch.fx.Node, int] = {}
+    for w, i in writes:
+        r = root(w)
+        last[r] = max(last.get(r, -1), i)
+    return {n: last[root(n)] for n in graph.nodes if root(n) in last}
 
 
 def _split_block_reads(graph: torch.fx.Graph) -> None:
@@ -581,11 +729,12 @@ def _split_block_reads(graph: torch.fx.Graph) -> None:
 
     Same views, one backward node: split's backward concatenates the two gradients, where a ``select`` and a
     ``slice`` each fill a zero tensor of ``z``'s full size, copy their part in, and the two are summed (three
-    full-size passes more per rule, 5% of a regularized ResNet step). Only for tensors no op writes into (a
-    multi-view split does not allow its base to be modified in place) and reads recorded in grad mode (the
+    full-size passes more per rule, 5% of a regularized ResNet step). Only for tensors no op writes into once
+    they are read (a multi-view split does not allow its base to be modified in place; an in-place ReLU's result
+    read by the next layer is written before) and reads recorded in grad mode (the
     values recorded carry no ``requires_grad``; a tensor that needs none pays one view op more).
     """
-    mutated = None
+    last_write = None
     for z in list(graph.nodes):
         val = z.meta.get("val")
         if not (isinstance(val, torch.Tensor) and val.dim() >= 1 and val.shape[0] >= 2):
@@ -603,12 +752,13 @@ def _split_block_reads(graph: torch.fx.Graph) -> None:
                 rest.append(u)
         if not head or not (rest or others):
             continue
-        if mutated is None:
-            mutated = _mutated(graph)
-        if z in mutated:
-            continue
         reads = {u for u, _ in head} | set(rest) | {u for u, _ in others}
         first_read = next(n for n in graph.nodes if n in reads)  # recorded under autograd, as is the split then
+        if last_write is None:
+            last_write = _last_writes(graph)
+            order = {n: i for i, n in enumerate(graph.nodes)}
+        if z in last_write and last_write[z] >= order[first_read]:
+            continue
         with graph.inserting_before(first_read):
             parts = graph.call_function(_SPLIT, (z, [1, k - 1], 0))
         with graph.inserting_after(parts):
@@ -631,3 +781,62 @@ def _split_block_reads(graph: torch.fx.Graph) -> None:
             b.meta.update(u.meta)
             u.replace_all_uses_with(b)
             graph.erase_node(u)
+
+
+_UNBIND = torch.ops.aten.unbind.int
+_MAX_UNBIND = 64  # selects of more entries than this stay selects (one node per entry)
+
+
+def _unbind_full_selects(graph: torch.fx.Graph) -> None:
+    """``z.select(d, 0)``, ..., ``z.select(d, n-1)`` read under autograd -> ``unbind(z, d)``: the same views, and one
+    backward node that stacks the gradients, where each ``select`` fills a zero tensor of ``z``'s full size and
+    copies its part in, and the ``n`` results are summed (``3n - 1`` full passes). Attention's ``q, k, v`` read out
+    of one packed projection (``proj[0], proj[1], proj[2]``), or blocks read one by one. Same conditions as
+    :func:`_split_block_reads` (no write into ``z`` once it is read)."""
+    last_write = order = None
+    for z in list(graph.nodes):
+        val = z.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() == 0:
+            continue
+        by_dim: Dict[int, Dict[int, list]] = {}
+        for u in z.users:
+            if (u.op == "call_function" and u.target is _SELECT and not u.kwargs and len(u.args) == 3
+                    and isinstance(u.args[1], int) and isinstance(u.args[2], int) and u.meta.get("jvpreg_grad", False)):
+                d = u.args[1] % val.dim()
+                by_dim.setdefault(d, {}).setdefault(u.args[2] % max(val.shape[d], 1), []).append(u)
+        for d, reads in by_dim.items():
+            n = val.shape[d]
+            if not isinstance(n, int) or n < 2 or n > _MAX_UNBIND or set(reads) != set(range(n)):
+                continue
+            nodes = {u for us in reads.values() for u in us}
+            first_read = next(x for x in graph.nodes if x in nodes)
+            if last_write is None:
+                last_write = _last_writes(graph)
+                order = {x: i for i, x in enumerate(graph.nodes)}
+            if z in last_write and last_write[z] >= order.get(first_read, -1):
+                continue
+            with graph.inserting_before(first_read):
+                parts = graph.call_function(_UNBIND, (z, d))
+            parts.meta["jvpreg_grad"] = True
+            for i, us in sorted(reads.items()):
+                with graph.inserting_after(parts):
+                    part = graph.call_function(operator.getitem, (parts, i))
+                part.meta.update(us[0].meta)
+                for u in us:
+                    u.replace_all_uses_with(part)
+                    graph.erase_node(u)
+            break  # one unbind per tensor
+
+
+def _squeeze_single_selects(graph: torch.fx.Graph) -> None:
+    """``select(z, d, 0)`` with ``z.shape[d] == 1`` -> ``squeeze(z, d)``: the same view, whose backward is a view
+    too (a select's fills a zero tensor and copies the gradient in). One tangent's block read out of ``(1, ...)``."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _SELECT or node.kwargs or len(node.args) != 3:
+            continue
+        z, d, i = node.args
+        val = z.meta.get("val") if isinstance(z, torch.fx.Node) else None
+        if not (isinstance(val, torch.Tensor) and isinstance(d, int) and -val.dim() <= d < val.dim()
+                and val.shape[d] == 1 and i in (0, -1)):
+            continue
+        node.target, node.args = _SQUEEZE, (z, d)
