@@ -248,10 +248,16 @@ def test_train_benchmark_writes_time_and_memory_ratios(tmp_path):
     from jvpreg.bench import train
 
     out = tmp_path / "train"
-    assert train.main(["--models", "mlp:8", "--methods", "plain,clone", "--repeats", "2", "--warmup", "1",
-                       "--out", str(out)]) == 0
-    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["results"]}
+    assert train.main(["--models", "mlp:8", "--methods", "plain,plain_2b,clone,double_backprop", "--repeats", "2",
+                       "--warmup", "1", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["method"]: r for r in result["results"]}
     assert rows["plain"]["vs_plain"] == 1.0 and rows["clone"]["vs_plain"] > 0
+    # the floor: the plain step on the doubled batch, and the most double backprop's lead can be
+    assert rows["plain_2b"]["vs_plain_2b"] == 1.0 and rows["plain_2b"]["saved_vs_plain"] > 1.5
+    (db,) = [t for t in result["targets"] if t["target"].startswith("double backprop")]
+    assert db["bound"] == rows["double_backprop"]["vs_plain_2b"]
+    assert "the most any method that runs the 2B-row" in out.with_suffix(".md").read_text()
     # the clone step keeps the 2B-row batch's activations: more than the plain step, and deterministic
     assert rows["clone"]["saved_vs_plain"] > 1.0
     assert train.saved_for_backward(train.Step("plain", *_mlp_batch(train))) == rows["plain"]["saved_bytes"]
