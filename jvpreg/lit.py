@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from pytorch_lightning import Callback, LightningModule
 from torch import nn
 
+from .callbacks.strategies import destroy_process_group_at_exit
+
 __all__ = ["ImageClassifier", "MetricsHistory"]
 
 CONFIG_KEY = "jvpreg_config"
@@ -86,6 +88,9 @@ class ImageClassifier(LightningModule):
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=stage != "train", sync_dist=sync,
                  batch_size=len(y))
         return loss
+
+    def setup(self, stage: str) -> None:
+        destroy_process_group_at_exit()  # a spawned DDP worker otherwise tears gloo down with the interpreter
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")

@@ -270,3 +270,28 @@ def test_jacobian_monitor_refuses_sharded_strategies():
     with pytest.raises(NotImplementedError, match=r"JacobianMonitor: not implemented for ModelParallelStrategy: the "
                                                   r"power iteration stops after a data-dependent number of forwards"):
         JacobianMonitor().setup(trainer, Lit(mlp_dropout()), "fit")
+
+
+_AT_EXIT_SCRIPT = r"""
+import atexit, sys, tempfile, os
+import torch.distributed as dist
+from jvpreg.callbacks.strategies import destroy_process_group_at_exit, _AT_EXIT
+destroy_process_group_at_exit()  # no group yet: nothing registered
+print("registered without a group:", _AT_EXIT[0])
+dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "store"), rank=0, world_size=1)
+atexit.register(lambda: print("group alive after the handler:", dist.is_initialized(), flush=True))  # runs last
+destroy_process_group_at_exit()
+destroy_process_group_at_exit()  # once per process
+print("registered:", _AT_EXIT[0], flush=True)
+"""
+
+
+def test_the_process_group_is_destroyed_at_exit_while_python_is_alive():
+    """Lightning leaves the group to the interpreter's teardown, where a gloo worker can abort after its work is
+    done; the callbacks' setup registers one exit handler that destroys it first."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _AT_EXIT_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == ["registered without a group: False", "registered: True", "group alive after the handler: False"]

@@ -39,7 +39,7 @@ from pytorch_lightning import Callback
 from jvpreg.analysis import ENGINES, METHODS, frobenius_norm, top_singular_values
 from jvpreg.losses.base import select_output
 
-from .strategies import check_monitor_strategy
+from .strategies import check_monitor_strategy, destroy_process_group_at_exit
 
 __all__ = ["JacobianMonitor"]
 
@@ -168,6 +168,7 @@ class JacobianMonitor(Callback):
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer, pl_module, stage: str) -> None:
         check_monitor_strategy(trainer.strategy, "JacobianMonitor")
+        destroy_process_group_at_exit()
         if stage == "fit" and self.batch is None and not trainer.limit_val_batches:
             warnings.warn("JacobianMonitor: validation is disabled (limit_val_batches=0), so the monitor never "
                           "runs. Enable validation or run it on your own batch with JacobianMonitor(batch=...) "

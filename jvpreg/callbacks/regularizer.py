@@ -45,7 +45,7 @@ from ..losses.jacobian import JacobianFrobenius, JacobianSpectralNorm
 from ..losses.sensitivity import ParameterSensitivity
 from ..clone import JVPFallbackWarning
 from .shared import SharedForward
-from .strategies import check_strategy
+from .strategies import check_strategy, destroy_process_group_at_exit
 
 __all__ = [
     "ConstraintRegularizer", "JVPRegularizer", "JacobianRegularizer", "ParameterSensitivityRegularizer",
@@ -461,6 +461,7 @@ class JVPRegularizer(Callback):
             return
         where = f"{type(self).__name__}(name={self.name!r})"
         check_strategy(trainer.strategy, self.terms, where)
+        destroy_process_group_at_exit()
         if not pl_module.automatic_optimization:
             raise NotImplementedError(f"{where}: only implemented for automatic optimization; this LightningModule "
                                       "sets automatic_optimization=False. Call jvpreg.callbacks.regularized_forward("

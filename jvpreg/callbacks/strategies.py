@@ -12,17 +12,24 @@
   its own ``forward``, after any hook could swap a weight, so a swapped weight would be silently
   replaced. Use ``ModelParallelStrategy`` (FSDP2) for weight directions.
 * DeepSpeed and XLA's FSDP: refused (untested; DeepSpeed partitions parameters in its own engine).
+
+Every process that sets up a callback under an initialised process group destroys it at exit
+(:func:`destroy_process_group_at_exit`): Lightning's launchers leave it to the interpreter's teardown, where gloo's
+threads can drop tensors after Python is gone and the worker aborts (SIGABRT, "terminate called without an active
+exception") once its work is done.
 """
 from __future__ import annotations
 
+import atexit
 from typing import Any, Callable, Optional, Sequence
 
+import torch.distributed as dist
 from torch import nn
 
 from ..losses.base import JVPPenalty, Term
 from ..losses.sharded import is_sharded
 
-__all__ = ["check_monitor_strategy", "check_strategy", "fsdp2_strategy", "fully_shard_blocks", "has_weight_directions", "is_fully_sharded",
+__all__ = ["check_monitor_strategy", "check_strategy", "destroy_process_group_at_exit", "fsdp2_strategy", "fully_shard_blocks", "has_weight_directions", "is_fully_sharded",
            "unsharded_copy"]
 
 _REFUSED = {
@@ -31,6 +38,31 @@ _REFUSED = {
                          "strategy='fsdp', or strategy='ddp'.",
     "XLAFSDPStrategy": "XLA's FSDP is not supported. Use strategy='ddp' on XLA devices, or FSDP2 on GPUs.",
 }
+
+
+_AT_EXIT = [False]  # registered in this process
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, while Python is still alive (once per process;
+    nothing when no group is initialised).
+
+    A gloo worker that exits with its group alive can abort after its work is done: gloo's threads still hold
+    tensors when the interpreter tears down, and freeing them there kills the process (SIGABRT, "terminate called
+    without an active exception"; pytorch/pytorch#179291 proposed the same handler inside torch). Lightning's
+    spawn launcher reports that as a failed fit."""
+    if _AT_EXIT[0] or not dist.is_available() or not dist.is_initialized():
+        return
+    atexit.register(_destroy_process_group)
+    _AT_EXIT[0] = True
+
+
+def _destroy_process_group() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - at exit, a failed teardown must not turn a finished run into a failure
+        pass
 
 
 def has_weight_directions(penalty: JVPPenalty) -> bool:
