@@ -324,22 +324,23 @@ def test_large_relu_keeps_a_bool_block(engine, inplace):
     torch.testing.assert_close(g, want)
 
 
+class SelfAttention(nn.Module):
+    """``mha(x, x, x)`` without weights: the fused-kernel call a transformer block makes."""
+
+    def __init__(self, mha: nn.MultiheadAttention):
+        super().__init__()
+        self.mha = mha
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0]
+
+
 @pytest.mark.parametrize("engine", ["eager", "captured"])
 def test_attention_keeps_the_value_blocks_not_the_packed_qkv_projection(engine):
     """MultiheadAttention's q, k, v are views of one packed projection: the attention rule's product with the
     value blocks must save a copy of those, not a view that keeps the whole (K, 3E) projection alive."""
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(16, 2, batch_first=True).to(D)
-
-    class SelfAttention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mha = mha
-
-        def forward(self, x):
-            return self.mha(x, x, x, need_weights=False)[0]
-
-    model = SelfAttention()
+    model = SelfAttention(nn.MultiheadAttention(16, 2, batch_first=True).to(D))
     x, u = torch.randn(3, 5, 16, dtype=D), torch.randn(3, 5, 16, dtype=D)
     _, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
     with sdpa_kernel(SDPBackend.MATH):
@@ -401,3 +402,41 @@ def test_batchnorm_and_relu_operators_match_primitive_autograd(variant, monkeypa
     k = 2 if variant == "two-tangents" else 1
     us = torch.randn(k, *x.shape, dtype=D)
     _operators_match_primitive_autograd(model, x, us if k > 1 else us[0], monkeypatch, batched=k > 1)
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_large_attention_keeps_no_score_sized_tensor(engine, monkeypatch):
+    """From ATTENTION_RECOMPUTE_NUMEL entries of P, the attention rule keeps its inputs only (as fused attention
+    does) and recomputes P, dS and dP in the backward; the composite keeps all three. The gradients agree."""
+    from jvpreg.clone import kernels
+
+    torch.manual_seed(0)
+    heads, length = 2, 128
+    mha = nn.MultiheadAttention(16, heads, batch_first=True).to(D)
+
+    x, u = torch.randn(2, length, 16, dtype=D), torch.randn(2, length, 16, dtype=D)
+    scores = 2 * heads * length * length * 8  # one block of P, float64
+    assert scores // 8 >= kernels.ATTENTION_RECOMPUTE_NUMEL
+
+    def run():
+        model = SelfAttention(mha)
+        xg = x.clone().requires_grad_()
+        storages = {}  # the distinct storages kept for backward, by address
+
+        def pack(tensor):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        jvpreg.jvp(model, (xg,), (u,), engine=engine)  # (captures)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            _, t = jvpreg.jvp(model, (xg,), (u,), engine=engine)
+        sizes = sorted(storages.values())
+        return sizes, torch.autograd.grad(t.pow(2).sum(), [xg, *model.parameters()])
+
+    sizes, grads = run()
+    assert sizes[-1] < scores, sizes
+    monkeypatch.setattr(kernels, "ATTENTION_RECOMPUTE_NUMEL", 1 << 60)
+    composite, want = run()
+    assert composite.count(scores) >= 3, composite  # P, dS, dP
+    for g, w in zip(grads, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)

@@ -618,6 +618,48 @@ def test_attention(setting):
     run_setting(setting)
 
 
+def _penalty_gradients(setting, engine, create_graph=False):
+    """``t`` and the gradients of ``||J u||^2`` w.r.t. the input and the parameters (with ``create_graph``: of the
+    squared norm of those gradients too, w.r.t. the input)."""
+    torch.manual_seed(0)
+    f = setting["module"]().to(D) if "module" in setting else setting["func"]
+    x = randn()(setting["input_shape"]).requires_grad_()
+    u = torch.randn_like(x)
+    params = list(f.parameters()) if isinstance(f, nn.Module) else []
+    _, t = jvpreg.jvp(f, (x,), (u,), engine=engine)
+    t = t[0] if isinstance(t, tuple) else t
+    grads = torch.autograd.grad(t.pow(2).sum(), [x, *params], create_graph=create_graph, allow_unused=True)
+    grads = [g for g in grads if g is not None]
+    if create_graph:
+        grads.append(torch.autograd.grad(sum(g.pow(2).sum() for g in grads), x)[0])
+    return [t.detach()] + [g.detach() for g in grads]
+
+
+def _through_sdpa(setting_id: str) -> bool:
+    """MultiheadAttention asked for its weights computes them explicitly, not through SDPA."""
+    return not any(w in setting_id for w in ("need_weights=True", "need-weights", "functional-need_weights"))
+
+
+# a tangent in the float mask takes the composite path (sdpa-float-mask-direction-only)
+@cases([s for s in ATTENTION_SETTINGS if s["id"] != "sdpa-float-mask-direction-only" and _through_sdpa(s["id"])])
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_attention_recomputed_operator_equals_the_composite(setting, engine, monkeypatch):
+    """Above ATTENTION_RECOMPUTE_NUMEL entries of P the rule runs one operator that keeps only its inputs and
+    recomputes P, dS, dP in its backward: the same JVP, gradients and second-order gradients as the composite."""
+    from jvpreg.clone import kernels
+
+    monkeypatch.setattr(kernels, "ATTENTION_RECOMPUTE_NUMEL", 1 << 60)
+    want = _penalty_gradients(setting, engine, create_graph=True)
+    calls = []
+    monkeypatch.setattr(kernels, "ATTENTION_RECOMPUTE_NUMEL", 0)
+    real = kernels.attention_blocks
+    monkeypatch.setattr(kernels, "attention_blocks", lambda *a: calls.append(1) or real(*a))
+    got = _penalty_gradients(setting, engine, create_graph=True)
+    assert calls, "the operator did not run"
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------- recurrent modules
 
 

@@ -5,7 +5,9 @@ With ``S = q k^T * scale + mask``, ``P = softmax(S)``, ``O = P v`` (dropout mask
     dS = (dq k^T + q dk^T) * scale (+ d mask),   dP = P * (dS - sum(P * dS)),   dO = (dP * M) v + (P * M) dv
 
 Fused kernels hide P, so the tangent is computed with explicit products (P is materialised once
-for the primal block). Block j of the output is ``(P M) z_j + (dP_j M) v`` with ``z_j = v + dv_j`` the
+for the primal block; :func:`jvpreg.clone.kernels.linearised_attention`). Under autograd, where ``P`` is large
+(:func:`jvpreg.clone.kernels.attention_recomputed`), it runs as one operator that keeps only its inputs and
+recomputes ``P``, ``dS`` and ``dP`` in the backward: no ``L x S`` tensor kept, as fused attention keeps none. Block j of the output is ``(P M) z_j + (dP_j M) v`` with ``z_j = v + dv_j`` the
 value's block: one product of ``P M`` with every value block at once, plus ``dP_j`` times the primal value.
 ``F.multi_head_attention_forward`` is run op by op on the clone batch (its projections, reshapes
 and the attention above each go through their own rules).
@@ -19,7 +21,8 @@ import torch.nn.functional as F
 
 from ..dispatch import without_torch_function_guard
 from ..registry import register_handler, register_rule
-from ..tensor import delta_blocks, each_block, is_clone, kept_primal, primal_block, stack_blocks, tile, varies
+from .. import kernels
+from ..tensor import delta_blocks, is_clone, kept_primal, primal_block, raw, varies
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -51,38 +54,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     m = _primal(attn_mask)
     dq, dk, dm = _delta(query), _delta(key), _delta(attn_mask)
     kk = next(t.shape[0] for t in (query, key, value, attn_mask) if is_clone(t))
-    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
-    sc = 1.0 / math.sqrt(E) if scale is None else scale
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     n_rep = q.shape[-3] // k.shape[-3] if enable_gqa and q.dim() >= 3 else 1
     k, v, dk = (_repeat_kv(t, n_rep) for t in (k, v, dk))
-    s = (q @ k.transpose(-2, -1)) * sc
-    if is_causal:
-        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=0)
-        s = s.masked_fill(~causal, float("-inf"))
-    if m is not None:
-        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
-    p = torch.softmax(s, dim=-1)
-    keep = torch.empty_like(p).bernoulli_(1 - dropout_p) / (1 - dropout_p) if dropout_p > 0 else None
-    pd = p if keep is None else p * keep
-    ds = None
-    if dq is not None:
-        ds = dq @ k.transpose(-2, -1)
-    if dk is not None:
-        qdk = q @ dk.transpose(-2, -1)
-        ds = qdk if ds is None else ds + qdk
-    if ds is not None:
-        ds = ds * sc
-    if dm is not None and m.dtype != torch.bool:
-        ds = dm if ds is None else ds + dm
-    dpv = None
-    if ds is not None:  # dP = P * (dS - sum(P * dS)): softmax's backward kernel (its Jacobian is symmetric)
-        dp = each_block(lambda b: torch.ops.aten._softmax_backward_data(b.expand_as(p), p, -1, p.dtype), ds)
-        dpv = (dp if keep is None else dp * keep) @ v
-    if vary:  # [(P M) v; (P M) z_j]: the primal and the value's tangent in one product
-        out = pd @ _repeat_kv(value, n_rep)
-        return out if dpv is None else stack_blocks(out[0], out[1:] + dpv)
-    out_a = pd @ v
-    return tile(out_a, kk) if dpv is None else stack_blocks(out_a, out_a + dpv)
+    blocks = _repeat_kv(value, n_rep) if vary else None
+    if dropout_p == 0 and dm is None and kernels.attention_recomputed(query if is_clone(query) else value, q, k):
+        args = [None if t is None else raw(t) for t in (q, k, v, blocks, dq, dk, m)]
+        return kernels.attention_blocks(*args, sc, is_causal, kk)
+    p = kernels.attention_probs(q, k, m, sc, is_causal)
+    return kernels.linearised_attention(p, q, k, v, blocks, dq, dk, dm if m is None or m.dtype != torch.bool else None,
+                                        dropout_p, sc, kk)
 
 
 _MHA = without_torch_function_guard(F.multi_head_attention_forward)
