@@ -583,3 +583,20 @@ def test_penalty_protocol_errors():
     from jvpreg.losses import image_gradients
     with pytest.raises(ValueError, match=r"image_gradients: expected method 'central' or 'sobel', got 'prewitt'"):
         image_gradients(torch.zeros(1, 1, 4, 4), "prewitt")
+
+
+def test_prepare_walks_the_named_parameters_only_for_weight_directions(monkeypatch):
+    """Input directions in a process without a process group need no name -> parameter table (building one costs
+    0.3-0.7 ms a step on ResNet-50 / DenseNet-121); weight directions do."""
+    from jvpreg.losses.base import prepare
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    walks = []
+    real = nn.Module.named_parameters
+    monkeypatch.setattr(nn.Module, "named_parameters", lambda self, *a, **k: walks.append(1) or real(self, *a, **k))
+    plan = prepare(model, x, [(JacobianFrobenius(1), 1.0, 1.0)])
+    assert not walks and tuple(plan.scales.shape) == (1,)
+    prepare(model, x, [(ParameterSensitivity("0.weight"), 1.0, 1.0)])
+    assert walks

