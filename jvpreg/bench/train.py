@@ -94,8 +94,15 @@ def build(name: str) -> tuple:
         from .capture import _vit_small
 
         return _vit_small(), (3, 32, 32)
+    if name == "vit_257":  # the small ViT on 64x64 images with 4x4 patches: 257 tokens, attention-dominated
+        import torchvision
+
+        from .capture import _random_head
+
+        return _random_head(torchvision.models.VisionTransformer(image_size=64, patch_size=4, num_layers=4, num_heads=4,
+                                                                 hidden_dim=64, mlp_dim=128, num_classes=10)), (3, 64, 64)
     raise ValueError(f"bench train: unknown model {name!r}; expected 'resnet18', 'resnet18_64px', "
-                     "'resnet18_gn', 'mlp', 'mlp200' or 'vit'.")
+                     "'resnet18_gn', 'mlp', 'mlp200', 'vit' or 'vit_257'.")
 
 
 class FixedDirection(JacobianFrobenius):
@@ -461,7 +468,7 @@ _PROFILE_COLUMNS = ("conv backward", "conv/matmul", "batch_norm kernels", "eleme
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jvpreg.bench train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="resnet18,mlp200:64,vit",
-                        help="comma-separated name[:batch] of resnet18, resnet18_64px (64x64 images), resnet18_gn (GroupNorm), mlp, mlp200, vit")
+                        help="comma-separated name[:batch] of resnet18, resnet18_64px (64x64 images), resnet18_gn (GroupNorm), mlp, mlp200, vit, vit_257 (257 tokens)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10)
