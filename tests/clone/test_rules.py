@@ -563,6 +563,12 @@ ATTENTION_SETTINGS = [
     {"id": "sdpa-cross-lengths",
      "func": lambda x: F.scaled_dot_product_attention(x[:, :, :2], _proj(x, 1), _proj(x, 2)),
      "input_shape": (2, 2, 4, 3)},
+    # more keys than twice the head dim: the scale on the query side, dq k^T + q dk^T as one product
+    {"id": "sdpa-long-keys", "func": lambda x: F.scaled_dot_product_attention(_proj(x, 0), _proj(x, 1), _proj(x, 2)),
+     "input_shape": (2, 2, 9, 3)},
+    {"id": "sdpa-long-keys-cross-causal",
+     "func": lambda x: F.scaled_dot_product_attention(x[:, :, :4], _proj(x, 1), _proj(x, 2), is_causal=True),
+     "input_shape": (2, 2, 9, 3)},
     {"id": "sdpa-float-mask-direction-only",  # the tangent enters through a broadcast (L, S) mask alone
      "func": lambda x: F.scaled_dot_product_attention(
          torch.linspace(-1, 1, 48, dtype=D).reshape(2, 2, 4, 3), torch.linspace(1, -1, 48, dtype=D).reshape(2, 2, 4, 3),
