@@ -25,7 +25,7 @@ weight) applied to ``d_j``, times gamma; torch has no derivative for that kernel
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
