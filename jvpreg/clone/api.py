@@ -67,7 +67,7 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, s
             u2 = [a + b ** 2 for a, b in zip(u2, nu)]
             finite = finite and fx and fu
         nx = math.sqrt(x2) or 1.0
-        s = tuple(2.0 ** round(math.log2(ratio * nx / math.sqrt(n))) if n > 0 else 1.0 for n in u2)
+        s = tuple(_power_of_two(ratio * nx / math.sqrt(n)) if n > 0 else 1.0 for n in u2)
         if not shared:
             return torch.tensor(s, dtype=torch.float64), finite
         t = _SHARED_SCALES.get(s)
@@ -88,6 +88,11 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, s
         nx = torch.where(nx > 0, nx, 1.0)
         s = torch.exp2(torch.round(torch.log2(ratio * nx / torch.where(nu > 0, nu, 1.0))))
         return torch.where(nu > 0, s, 1.0), None
+
+
+def _power_of_two(r: float) -> float:
+    """``2^round(log2(r))``; 1 where ``r`` overflowed (norms near the float64 range) or is 0."""
+    return 2.0 ** round(math.log2(r)) if 0 < r < math.inf else 1.0
 
 
 def _finite_norms(rows: torch.Tensor, k: int) -> tuple:

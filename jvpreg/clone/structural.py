@@ -471,6 +471,29 @@ def _as_strided(func, input, size, stride, storage_offset=None):
     return wrap(p.as_strided((_k(input), *size), (bs, *stride), off), state=input._jvp_state)
 
 
+@register_op(torch.as_strided_scatter, T.as_strided_scatter)
+def _as_strided_scatter(func, input, src, size, stride, storage_offset=None):
+    """as_strided_scatter is linear in ``(input, src)``: block by block, ``out = copy of the block`` with ``src``
+    copied into ``out.as_strided(size, stride, offset)``. Written as that copy, not as torch's op, whose input
+    gradient (torch 2.15) is the window instead of its complement. Where a clone's primal block does not start
+    its storage (the window's offset is counted from there): the exact fallback."""
+    clones = [t for t in (input, src) if is_clone(t)]
+    base = input.as_subclass(torch.Tensor)[0] if is_clone(input) else input
+    if base.storage_offset() != 0:
+        return fallback(func, (input, src, size, stride, storage_offset), {})
+    off = 0 if storage_offset is None else storage_offset
+
+    def block(t, j):
+        return t.as_subclass(torch.Tensor)[j] if is_clone(t) else t
+
+    outs = []
+    for j in range(_k(clones[0])):
+        out = block(input, j).clone()  # strides kept, storage offset 0
+        out.as_strided(size, stride, off).copy_(block(src, j))
+        outs.append(out)
+    return wrap(torch.stack(outs), state=all(t._jvp_state for t in clones))
+
+
 _INPLACE_VIEWS = {T.squeeze_: T.squeeze, T.unsqueeze_: T.unsqueeze, T.transpose_: T.transpose, T.t_: T.t,
                   maybe(T, "swapaxes_"): maybe(T, "swapaxes"), maybe(T, "swapdims_"): maybe(T, "swapdims"),
                   T.as_strided_: T.as_strided}

@@ -16,6 +16,13 @@ primal output is not finite the difference form carries no tangent: there 0 (an 
 every block, e.g. a ``-inf`` mask) or NaN is accepted (convention: :func:`jvpreg.clone.tensor.block_delta`),
 any other value is not.
 
+Gradients (what a penalty on the JVP trains with): where the values match and every input and reference output
+is finite, ``d/d(x, u)`` of a random linear functional ``L = <w_y, f(x)> + <w_t, J(x) u>`` is compared with
+reverse mode through ``torch.func.jvp``; where the two differ, the directional derivative of ``L`` (``torch.func.jvp``
+values at ``x + h v``, Richardson-extrapolated central differences) decides, since torch's own reverse-over-forward
+is wrong for some ops (batch and layer norm). A wrong gradient is a ``mismatch``; an exception from the
+backward a ``crash`` (an :class:`UnsupportedOpError` there: an ``error``).
+
 Used by ``tests/clone/test_opinfo_sweep.py`` and ``scripts/coverage_table.py``; needs ``expecttest``.
 """
 from __future__ import annotations
@@ -30,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 D = torch.float64
 RTOL = 1e-7
-N_SAMPLES = 4
+N_SAMPLES = 40  # the first samples of an op are often 0-d tensors: the larger ones come later
 MAX_OPERANDS = 3
 
 # Ops whose outputs are random draws: the engine draws one mask from the primal block, torch.func draws its
@@ -191,7 +198,104 @@ def run_case(case: Case) -> Result:
     bad = mismatch(y, ref_y, ref_y, "primal") or mismatch(t, ref_t, ref_y, "tangent")
     if bad:
         return Result(case, "mismatch", bad, tuple(seen))
+    try:
+        bad = gradient_mismatch(case.fn, x, u, ref_y, ref_t)
+    except UnsupportedOpError as err:
+        return Result(case, "error", "backward: " + str(err).split(". ")[0][:200])
+    except Exception as err:
+        return Result(case, "crash", f"backward: {type(err).__name__}: {str(err)[:200]}")
+    if bad:
+        return Result(case, "mismatch", bad, tuple(seen))
     return Result(case, "fallback" if seen else "rule", "", tuple(sorted(set(seen))))
+
+
+def _finite_float_leaves(tree) -> list:
+    return [l for l in tree_flatten(tree)[0] if isinstance(l, torch.Tensor) and l.dtype == D]
+
+
+def _functional(y, t, weights) -> torch.Tensor:
+    """``<w_y, y> + <w_t, t>`` over the float leaves (``None`` weights skipped)."""
+    total = torch.zeros((), dtype=D)
+    for leaf, w in zip(_finite_float_leaves(y) + _finite_float_leaves(t), weights):
+        if w is not None:
+            total = total + (leaf * w).sum()
+    return total
+
+
+def _grad_of_functional(jvp: Callable, fn: Callable, x: torch.Tensor, u: torch.Tensor, weights) -> list:
+    """``[dL/dx, dL/du]`` with ``(y, t) = jvp(fn, x, u)`` (zeros where ``L`` does not depend on one)."""
+    xr, ur = x.clone().requires_grad_(), u.clone().requires_grad_()
+    torch.manual_seed(0)
+    y, t = jvp(fn, xr, ur)
+    total = _functional(y, t, weights)
+    if not total.requires_grad:
+        return [torch.zeros_like(x), torch.zeros_like(u)]
+    grads = torch.autograd.grad(total, (xr, ur), allow_unused=True)
+    return [torch.zeros_like(v) if g is None else g for g, v in zip(grads, (x, u))]
+
+
+def _ours(fn, x, u):
+    import jvpreg
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return jvpreg.jvp(fn, (x,), (u,))
+
+
+def _torch_func(fn, x, u):
+    return torch.func.jvp(fn, (x,), (u,))
+
+
+def gradient_mismatch(fn: Callable, x: torch.Tensor, u: torch.Tensor, ref_y, ref_t) -> str:
+    """"" (close, or nothing to compare) or a description of a wrong gradient; see the module docstring."""
+    if not _is_float(x) or x.is_complex() or x.numel() == 0 or not bool(torch.isfinite(x).all()):
+        return ""
+    leaves = _finite_float_leaves(ref_y) + _finite_float_leaves(ref_t)
+    if not leaves or not all(bool(torch.isfinite(l).all()) for l in leaves):
+        return ""
+    g = torch.Generator().manual_seed(2)
+    xr, ur = x.clone().requires_grad_(), u.clone().requires_grad_()
+    try:  # outputs torch declares non-differentiable (batch norm's saved statistics) are left out of L
+        differentiable = [l.requires_grad for l in _finite_float_leaves(_torch_func(fn, xr, ur))]
+    except Exception:
+        differentiable = [True] * len(leaves)
+    weights = [torch.randn(l.shape, dtype=D, generator=g) if d else None for l, d in zip(leaves, differentiable)]
+    try:
+        ref = _grad_of_functional(_torch_func, fn, x, u, weights)
+    except Exception:  # no reverse-over-forward in torch: the finite differences alone decide
+        ref = None
+    try:
+        ours = _grad_of_functional(_ours, fn, x, u, weights)
+    except Exception:
+        if ref is None:  # torch cannot differentiate this JVP either (a target, a class weight, a sparse grad)
+            return ""
+        raise
+    if ref is not None and all(_close(a, b) for a, b in zip(ours, ref)):
+        return ""
+    vx = torch.randn(x.shape, dtype=D, generator=g)
+    vu = torch.randn(u.shape, dtype=D, generator=g)
+
+    def along(h: float) -> float:
+        torch.manual_seed(0)
+        y, t = _torch_func(fn, x + h * vx, u + h * vu)
+        return float(_functional(y, t, weights))
+
+    h = 1e-3 * max(1.0, float(x.abs().max()))
+    fd = [(along(s) - along(-s)) / (2 * s) for s in (h, h / 2)]
+    fd = (4 * fd[1] - fd[0]) / 3  # Richardson: O(h^4)
+    got = float((ours[0] * vx).sum() + (ours[1] * vu).sum())
+    if abs(got - fd) <= 1e-5 * max(1.0, abs(fd)):
+        return ""
+    which = [n for n, a, b in zip(("x", "u"), ours, ref or [None, None]) if b is None or not _close(a, b)]
+    auto = "" if ref is None else f", reverse mode through torch.func.jvp {float((ref[0] * vx).sum() + (ref[1] * vu).sum()):.6g}"
+    return (f"gradient of <w, (f(x), J u)> w.r.t. {'/'.join(which)}: directional derivative {got:.6g}, "
+            f"finite differences {fd:.6g}{auto}")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    fin = b[torch.isfinite(b)]
+    scale = fin.abs().max().item() if fin.numel() else 0.0
+    return torch.allclose(a, b, rtol=1e-6, atol=1e-6 * max(scale, 1.0), equal_nan=True)
 
 
 def run_op(op, n_samples: int = N_SAMPLES) -> list:

@@ -440,3 +440,66 @@ def test_large_attention_keeps_no_score_sized_tensor(engine, monkeypatch):
     assert composite.count(scores) >= 3, composite  # P, dS, dP
     for g, w in zip(grads, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+class _Normed(nn.Module):
+    """Norms whose weights ``w(a)`` carry second-order terms into a penalty's gradient."""
+
+    def __init__(self, ord):
+        super().__init__()
+        self.lin, self.ord = nn.Linear(4, 6).double(), ord
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.linalg.vector_norm(h, self.ord, dim=-1) + F.normalize(h, dim=-1).norm(dim=-1, p=3) * h[:, 0]
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("ord", [2, 3, 1.5, float("inf")])
+def test_norm_penalty_gradients_keep_the_weights_dependence_on_the_input(ord, engine):
+    """d/dW of ||J u||^2 through vector norms (and Tensor.norm, F.normalize), against torch.func in float64:
+    a rule whose weights were detached from the primal got -0.666 for -0.708 (finite differences)."""
+    torch.manual_seed(0)
+    model = _Normed(ord)
+    x, u = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    with fallback_mode("error"):  # Tensor.norm and every order >= 1 have rules: capturable
+        _, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+    _, t0 = torch.func.jvp(model, (x,), (u,))
+    params = list(model.parameters())
+    got = torch.autograd.grad(t.pow(2).sum(), params)
+    want = torch.autograd.grad(t0.pow(2).sum(), params)
+    torch.testing.assert_close(t, t0, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_as_strided_scatter_gradients_match_finite_differences():
+    """as_strided_scatter's own input gradient (torch 2.15) lands on the window, not its complement; the rule's
+    gradients of a penalty on the JVP match central differences."""
+    torch.manual_seed(0)
+    inp, src = torch.randn(3, 4, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)
+    u = torch.randn(3, 4, dtype=torch.float64)
+    w = torch.randn(3, 4, dtype=torch.float64)
+
+    def penalty(x):
+        y, t = jvpreg.jvp(lambda z: torch.as_strided_scatter(z, src * z[0, 0], (2, 2), (1, 2), 1), (x,), (u,))
+        return (w * t).sum() + (w * y).sum()
+
+    x = inp.clone().requires_grad_()
+    (g,) = torch.autograd.grad(penalty(x), x)
+    v = torch.randn(3, 4, dtype=torch.float64)
+    h = 1e-4
+    fd = (penalty(inp + h * v) - penalty(inp - h * v)) / (2 * h)
+    torch.testing.assert_close((g * v).sum(), fd.detach(), rtol=1e-7, atol=1e-9)
+
+
+def test_in_place_abs_has_a_gradient():
+    """abs_ overwrites its input: its rule must not keep the input for backward (it kept it through sign)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+    x, u = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    _, t = jvpreg.jvp(lambda z: lin(z).abs_(), (x,), (u,))
+    _, t0 = torch.func.jvp(lambda z: lin(z).abs(), (x,), (u,))
+    got = torch.autograd.grad(t.pow(2).sum(), lin.weight)[0]
+    want = torch.autograd.grad(t0.pow(2).sum(), lin.weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -1,7 +1,8 @@
 """Never silently wrong, on PyTorch's own op database (``jvpreg/clone/sweep.py`` has the protocol).
 
 One test per OpInfo (float64, forward AD): every case must be exact (with a rule or via the exact
-fallback) or raise a clear ``UnsupportedOpError``; a wrong primal/tangent or any other exception fails.
+fallback), values and the gradients of a functional of them, or raise a clear ``UnsupportedOpError``; a wrong
+primal/tangent/gradient or any other exception fails.
 ``XFAIL`` lists known failures, each with its reason; an entry that starts passing fails the test
 (strict), so the list only shrinks.
 """
@@ -18,7 +19,23 @@ from jvpreg.clone.registry import HANDLERS  # noqa: E402
 OPS = sweep.sweep_ops()
 
 # op name -> reason. Keep it short; every entry is a known engine limitation or bug.
-XFAIL: dict = {}
+XFAIL: dict = {
+    # found when the sweep took every sample (not the first 4) and checked gradients; not fixed yet
+    "addr": "one sample: an infinite tangent where torch.func's is finite (not investigated)",
+    "addbmm": "the in-place variant with a broadcast input crashes in write_back (size mismatch)",
+    "baddbmm": "the in-place variant with a broadcast input crashes in write_back (size mismatch)",
+    "cat": "a 0-d/1-d operand mix: the rule's dim translation raises IndexError",
+    "transpose": "transpose of a 0-d tensor: the rule's dim translation raises IndexError",
+    "hypot": "inputs near the float64 maximum: the blocks x + s u overflow (infinite tangent)",
+    "nn.functional.prelu": "a 0-d weight: the rule's expand fails",
+    "nn.functional.group_norm": "empty spatial dims (H x W = 0): the tangent kernel refuses them",
+    "nn.functional.max_unpool2d": "colliding indices: which value lands is unspecified, engine and torch differ",
+    "torch.ops.aten._safe_softmax.default": "backward fails: the fallback's exp output is modified in place",
+    "nn.functional.binary_cross_entropy_with_logits": "gradient through the fallback's JVP in weight/pos_weight: "
+                                                      "torch has no reverse mode for them",
+    "tensor_split": "gradient through the fallback's JVP: torch's backward fails (no storage)",
+    "nn.functional.embedding": "sparse=True: the fallback's JVP has no reverse mode for sparse gradients",
+}
 
 
 def _failures(results):
@@ -57,6 +74,34 @@ def test_sweep_detects_a_wrong_rule_and_a_crash():
         assert sweep.run_case(case).kind == "mismatch"
         register_handler(torch.sinh)(lambda func, args, kwargs: 1 / 0)
         assert sweep.run_case(case).kind == "crash"
+    finally:
+        HANDLERS.pop(torch.sinh, None)
+        if old is not None:
+            HANDLERS[torch.sinh] = old
+    assert sweep.run_case(case).kind in ("rule", "fallback")
+
+
+def test_sweep_detects_a_wrong_gradient():
+    """The gradient check: a rule exact in value whose slope is detached from the primal (its penalty gradients
+    lose the second-order term) is a mismatch."""
+    op = next(o for o in OPS if o.name == "sinh")
+    case = next(c for c in sweep.cases(op) if c.primal.numel() > 1)
+    old = HANDLERS.pop(torch.sinh, None)
+
+    def detached_slope(func, args, kwargs):
+        from torch._C import DisableTorchFunctionSubclass
+
+        from jvpreg.clone.tensor import stack_blocks, wrap
+
+        with DisableTorchFunctionSubclass():
+            z = args[0].as_subclass(torch.Tensor)
+            a = z[0]
+            return wrap(stack_blocks(torch.sinh(a), torch.sinh(a) + torch.cosh(a).detach() * (z[1:] - a)))
+
+    try:
+        register_handler(torch.sinh)(detached_slope)
+        result = sweep.run_case(case)
+        assert result.kind == "mismatch" and "gradient" in result.detail, result
     finally:
         HANDLERS.pop(torch.sinh, None)
         if old is not None:

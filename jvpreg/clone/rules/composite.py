@@ -130,15 +130,48 @@ def cross_entropy(input, target, weight=None, reduction=1, ignore_index=-100, la
     return torch._C._nn.nll_loss_nd(torch.log_softmax(input, dim), target, weight, reduction, ignore_index)
 
 
+def _frozen(x):
+    """The primal block of clone ``x`` in every block: a constant (zero tangent) that keeps its gradient, for the
+    weights ``w(a)`` of a linearisation ``sum(w(a) d)``: ``detach`` would drop ``dw/da`` from the gradient of a
+    penalty on the tangent."""
+    from torch._C import DisableTorchFunctionSubclass
+
+    from ..tensor import tile
+
+    with DisableTorchFunctionSubclass():
+        p = x.as_subclass(torch.Tensor)
+        return wrap(tile(p[0], p.shape[0]), state=True)
+
+
 @def_composite(torch._C._linalg.linalg_vector_norm, aliases={"ord": "ord"})
 def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
-    """||x||_2 = sqrt(sum x^2) with d||x|| = sum(x dx) / ||x||, and 0 at x = 0 (torch's convention);
-    other orders and complex inputs: the fallback."""
-    if ord != 2 or input.is_complex() or dtype is not None:
+    """d||x||_p = sum(w d), ``w = sign(x) |x|^(p-1) / ||x||^(p-1)`` for ``p >= 1`` (``x / ||x||`` for 2), the
+    mean of ``sign(x)`` over the entries that attain the max (min) for ``p = inf`` (``-inf``); 0 at ``x = 0``
+    (torch's convention). Orders below 1 and complex inputs: the fallback."""
+    if input.is_complex() or dtype is not None or not (ord >= 1 or ord == float("-inf")):
         return NotImplemented
-    n = input.detach().square().sum(dim, keepdim=True).sqrt()
-    safe = torch.where(n > 0, n, torch.ones_like(n))
-    return (input * (input.detach() / safe)).sum(dim, keepdim=keepdim)  # tangent <a / n, d>
+    a = _frozen(input)
+    n = torch.linalg.vector_norm(a, ord, dim, keepdim=True)
+    if ord in (float("inf"), float("-inf")):
+        hit = (a.abs() == n).to(a.dtype)
+        w = a.sign() * hit / hit.sum(dim, keepdim=True)
+    else:
+        safe = torch.where(n > 0, n, torch.ones_like(n))
+        w = a / safe if ord == 2 else a.sign() * (a.abs() / safe).pow(ord - 1)
+    return (input * w).sum(dim, keepdim=keepdim)
+
+
+@register_op(T.norm, reentrant=True)
+def tensor_norm(func, input, p="fro", dim=None, keepdim=False, dtype=None):
+    """``Tensor.norm`` is ``torch.norm`` (a Python function whose body runs through the rules)."""
+    return torch.norm(input, p, dim, keepdim, dtype=dtype)
+
+
+@def_composite(torch._C._nn.glu)
+def glu(input, dim=-1):
+    """glu(x) = a * sigmoid(b), ``a, b`` the halves of ``x`` along ``dim``."""
+    a, b = input.chunk(2, dim)
+    return a * torch.sigmoid(b)
 
 
 @def_composite(torch.sort, T.sort)

@@ -118,7 +118,8 @@ def prelu(input, weight):
                inplace=(torch.abs_, T.abs_, maybe(T, "absolute_")), inplace_safe=True)
 def abs(input):
     """abs(z) = sign(a) * z (slope 0 at a = 0)."""
-    return _with_slope(input, torch.sign(input[0]))
+    return _with_slope(input, torch.sign(input[0].detach()))  # a constant slope (sign' = 0): the product saves
+    # no view of the input, which an in-place abs_ overwrites
 
 
 @register_rule(F.hardtanh, torch._C._nn.hardtanh, inplace=(F.hardtanh_, torch._C._nn.hardtanh_))
