@@ -175,7 +175,8 @@ def write_back(func: Any, target: Any, out: Any) -> Any:
     from torch._C import DisableTorchFunctionSubclass
 
     with DisableTorchFunctionSubclass():
-        src = out.as_subclass(torch.Tensor) if is_clone(out) else out
+        # a plain result (one that does not depend on the batch: addmm with beta = 0) is the same in every block
+        src = out.as_subclass(torch.Tensor) if is_clone(out) else out.unsqueeze(0)
         if src.dim() < target.dim():  # a logical broadcast: blocks first
             src = src.reshape(src.shape[0], *([1] * (target.dim() - src.dim())), *src.shape[1:])
         if src.dim() > target.dim() or any(s not in (1, t) for s, t in zip(src.shape[1:], target.shape[1:])):
@@ -185,7 +186,7 @@ def write_back(func: Any, target: Any, out: Any) -> Any:
                 f"jvpreg clone mode: {op_name(func)} would resize its target from {tuple(target.shape[1:])} to "
                 f"{tuple(src.shape[1:])}; a batch tensor cannot be resized in place. Use the out-of-place op.")
         target.copy_(src)
-    target._jvp_state = bool(out._jvp_state) if is_clone(out) else False
+    target._jvp_state = bool(out._jvp_state) if is_clone(out) else True
     return target
 
 
@@ -193,7 +194,7 @@ def _finish(out: Any, args: tuple, kwargs: dict, inplace: bool, func: Any = None
     if not inplace:
         return wrap_tree(out, wrap)
     target = args[0] if args else kwargs.get("input", kwargs.get("self"))
-    return write_back(func, target, out)
+    return write_back(func, target, out if is_clone(out) else wrap(out))  # a rule's physical (K, ...) output
 
 
 def detached_target(args: tuple, kwargs: dict, needed: bool = True) -> tuple:

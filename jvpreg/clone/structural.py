@@ -358,6 +358,10 @@ def _permute(func, input, *dims):
 def _transpose(func, input, dim0, dim1):
     x, d0, d1 = input, dim0, dim1
     n = _lnd(x)
+    if n == 0:  # a 0-d tensor: torch checks the dims (0 or -1) and returns it unchanged
+        phys_dim(d0, 1), phys_dim(d1, 1)
+        p = x.as_subclass(torch.Tensor)
+        return wrap(p.view(p.shape), state=x._jvp_state)  # a view, as torch's
     return wrap(x.as_subclass(torch.Tensor).transpose(phys_dim(d0, n), phys_dim(d1, n)), state=x._jvp_state)
 
 
@@ -525,12 +529,16 @@ def _as_block_tensor(t: Any, k: int) -> torch.Tensor:
 
 @register_op(torch.cat, maybe(torch, "concat"), maybe(torch, "concatenate"), aliases={"axis": "dim"})
 def _cat(func, tensors, dim=0):
+    """cat on the logical dim; operands of logical shape ``(0,)`` are skipped, as torch skips them (legacy)."""
     tensors = list(tensors)
-    clones = [t for t in tensors if is_clone(t)]
-    k = _k(clones[0])
-    n = _lnd(clones[0])
-    parts = [_as_block_tensor(t, k) for t in tensors if not (not is_clone(t) and t.dim() == 1 and t.numel() == 0)]
-    return wrap(torch.cat(parts, phys_dim(dim, n)), state=_state_of(*clones))
+    k = next(_k(t) for t in tensors if is_clone(t))
+
+    def shape(t):
+        return tuple(t.shape[1:]) if is_clone(t) else tuple(t.shape)
+
+    kept = [t for t in tensors if shape(t) != (0,)] or tensors[:1]
+    parts = [_as_block_tensor(t, k) for t in kept]
+    return wrap(torch.cat(parts, phys_dim(dim, len(shape(kept[0])))), state=_state_of(*[t for t in kept if is_clone(t)]))
 
 
 @register_op(torch.stack, maybe(torch, "hstack"), maybe(torch, "vstack"), maybe(torch, "dstack"),

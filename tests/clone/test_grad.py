@@ -503,3 +503,16 @@ def test_in_place_abs_has_a_gradient():
     got = torch.autograd.grad(t.pow(2).sum(), lin.weight)[0]
     want = torch.autograd.grad(t0.pow(2).sum(), lin.weight)[0]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,channels", [((), 1), ((3, 4, 5), 4), ((3, 4), 1)])
+def test_prelu_weight_direction_has_a_rule(shape, channels):
+    """A PReLU weight direction with a plain input runs the rule (no per-op fallback, so it is capturable), 0-d
+    inputs included, and matches torch.func."""
+    torch.manual_seed(0)
+    m = nn.PReLU(channels).double()
+    x, U = torch.randn(shape, dtype=torch.float64), torch.randn(channels, dtype=torch.float64)
+    with fallback_mode("error"):
+        _, t = jvpreg.jvp_params(m, (x,), {"weight": U})
+    _, t0 = torch.func.jvp(lambda w: functional_call(m, {"weight": w}, (x,)), (m.weight.detach(),), (U,))
+    torch.testing.assert_close(t, t0, rtol=1e-12, atol=1e-12)

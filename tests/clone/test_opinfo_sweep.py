@@ -22,13 +22,7 @@ OPS = sweep.sweep_ops()
 XFAIL: dict = {
     # found when the sweep took every sample (not the first 4) and checked gradients; not fixed yet
     "addr": "one sample: an infinite tangent where torch.func's is finite (not investigated)",
-    "addbmm": "the in-place variant with a broadcast input crashes in write_back (size mismatch)",
-    "baddbmm": "the in-place variant with a broadcast input crashes in write_back (size mismatch)",
-    "cat": "a 0-d/1-d operand mix: the rule's dim translation raises IndexError",
-    "transpose": "transpose of a 0-d tensor: the rule's dim translation raises IndexError",
     "hypot": "inputs near the float64 maximum: the blocks x + s u overflow (infinite tangent)",
-    "nn.functional.prelu": "a 0-d weight: the rule's expand fails",
-    "nn.functional.group_norm": "empty spatial dims (H x W = 0): the tangent kernel refuses them",
     "nn.functional.max_unpool2d": "colliding indices: which value lands is unspecified, engine and torch differ",
     "torch.ops.aten._safe_softmax.default": "backward fails: the fallback's exp output is modified in place",
     "nn.functional.binary_cross_entropy_with_logits": "gradient through the fallback's JVP in weight/pos_weight: "

@@ -25,7 +25,7 @@ from .. import kernels
 from ..kernels import relu_blocks
 from ..registry import maybe, register_rule
 from ..structural import align
-from ..tensor import block_delta, each_block, is_clone, kept_primal, raw, stack_blocks
+from ..tensor import block_delta, each_block, is_clone, kept_primal, raw, stack_blocks, tile
 
 T = torch.Tensor
 
@@ -98,18 +98,22 @@ def leaky_relu(input, negative_slope=0.01, inplace=False):
 @register_rule(F.prelu, torch.prelu)
 def prelu(input, weight):
     """prelu(z) = (1[a > 0] + w * 1[a <= 0]) * z, w broadcast over the channel dim (dim 1)."""
-    if not is_clone(input):
-        return fallback(F.prelu, (input, weight), {})
+    if not is_clone(input):  # a weight direction: the input repeated in every block (zero tangent)
+        input = tile(input, weight.shape[0])
     a = input[0]
     w = weight[0] if is_clone(weight) else weight
     if a.dim() >= 2 and w.numel() > 1:
         w = w.reshape(1, -1, *([1] * (a.dim() - 2)))
+    elif a.dim() == 0:  # a 0-d input takes a one-element weight
+        w = w.reshape(())
     slope = torch.where(a >= 0, torch.ones_like(a), w.to(a.dtype).expand_as(a))
     out = _with_slope(input, slope)
     if is_clone(weight) and not weight._jvp_state:  # weight tangent: min(a, 0) * dw
         dw = block_delta(weight[1:], weight[0])
         if a.dim() >= 2 and weight[0].numel() > 1:
             dw = dw.reshape(dw.shape[0], 1, -1, *([1] * (a.dim() - 2)))
+        elif a.dim() == 0:
+            dw = dw.reshape(dw.shape[0])
         out = stack_blocks(out[0], out[1:] + torch.clamp(a, max=0) * dw)
     return out
 

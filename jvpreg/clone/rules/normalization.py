@@ -14,6 +14,8 @@ InstanceNorm with running statistics are affine and run on the merged batch.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Sequence
 
 import torch
@@ -222,7 +224,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     a = kept_primal(input)
     w0, b0 = _primal(weight), _primal(bias)
     n, c = a.shape[0], a.shape[1]
-    hw = a.numel() // (n * c) if n * c else 0
+    hw = math.prod(a.shape[2:])
     if torch.is_autocast_enabled(a.device.type):  # autocast's group_norm (float32) for the primal
         out_a = F.group_norm(a, num_groups, w0, b0, eps)
         a = a.to(out_a.dtype)
@@ -246,7 +248,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
                 b.to(a.dtype), a, mean, rstd, None, n, c, hw, num_groups, [True, False, False])[0], d)
             tan = tan if w0 is None else tan * ch(w0)
     if varies(weight) or varies(bias):  # xhat with differentiable statistics
-        ag = a.reshape(n, num_groups, -1)
+        ag = a.reshape(n, num_groups, c // num_groups * hw)  # explicit: -1 is ambiguous for an empty batch
         var, mu = torch.var_mean(ag, dim=-1, correction=0, keepdim=True)
         params = affine_tangent(((ag - mu) * torch.rsqrt(var + eps)).reshape(a.shape), weight, bias, ch)
         tan = params if tan is None else tan + params
