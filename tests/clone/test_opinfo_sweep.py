@@ -4,7 +4,8 @@ One test per OpInfo (float64, forward AD): every case must be exact (with a rule
 fallback), values and the gradients of a functional of them, or raise a clear ``UnsupportedOpError``; a wrong
 primal/tangent/gradient or any other exception fails.
 ``XFAIL`` lists known failures, each with its reason; an entry that starts passing fails the test
-(strict), so the list only shrinks.
+(strict), so the list only shrinks; only a failure that is itself nondeterministic (reason ``"flaky: ..."``)
+may pass.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ OPS = sweep.sweep_ops()
 XFAIL: dict = {
     # found when the sweep took every sample (not the first 4) and checked gradients; not fixed yet
     "addr": "one sample: an infinite tangent where torch.func's is finite (not investigated)",
-    "hypot": "inputs near the float64 maximum: the blocks x + s u overflow (infinite tangent)",
-    "nn.functional.max_unpool2d": "colliding indices: which value lands is unspecified, engine and torch differ",
-    "torch.ops.aten._safe_softmax.default": "backward fails: the fallback's exp output is modified in place",
+    "hypot": "entries at the float64 maximum: x + s u rounds back to x or overflows; the difference form has no "
+             "resolution there (an infinite tangent where torch.func gives a finite one)",
+    "nn.functional.max_unpool2d": "flaky: colliding indices; which value lands is unspecified, and engine and torch "
+                                  "differ in some runs only",
     "nn.functional.binary_cross_entropy_with_logits": "gradient through the fallback's JVP in weight/pos_weight: "
                                                       "torch has no reverse mode for them",
     "tensor_split": "gradient through the fallback's JVP: torch's backward fails (no storage)",
@@ -52,8 +54,8 @@ def _key(op) -> str:
 def test_opinfo_exact_or_clear_error(op):
     key = f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
     bad = _failures(sweep.run_op(op))
-    if key in XFAIL:
-        assert bad, f"{key} passes now: remove it from XFAIL ({XFAIL[key]})"
+    if key in XFAIL:  # strict, except where the failure itself is nondeterministic ("flaky: ...")
+        assert bad or XFAIL[key].startswith("flaky:"), f"{key} passes now: remove it from XFAIL ({XFAIL[key]})"
         pytest.xfail(XFAIL[key])
     assert not bad, "\n".join(f"{r.kind} {r.case.id}: {r.detail}" for r in bad)
 

@@ -124,7 +124,7 @@ def _softmax_args(args, kwargs, ndim):
     return neg_dim(dim, ndim), dtype
 
 
-def _softmax(log: bool):
+def _softmax(log: bool, safe: bool = False):
     def rule(input, *args, **kwargs):
         a = input[0]
         dim, dtype = _softmax_args(args, kwargs, a.dim())
@@ -136,7 +136,7 @@ def _softmax(log: bool):
             p = out_a.exp()
             tan = out_a + d - (p * d).sum(dim, keepdim=True)
         else:  # softmax's Jacobian is symmetric: its backward kernel applied to d_j is J d_j
-            out_a = torch.softmax(a, dim)
+            out_a = aten._safe_softmax(a, dim) if safe else torch.softmax(a, dim)  # safe: 0 on all -inf rows
             tan = out_a + each_block(lambda b: aten._softmax_backward_data(b, out_a, dim, a.dtype), d)
         return stack_blocks(out_a, tan)
 
@@ -147,3 +147,5 @@ def _softmax(log: bool):
 
 register_rule(F.softmax, torch.softmax, T.softmax, maybe(torch, "_softmax"), inplace_kwarg=None)(_softmax(False))
 register_rule(F.log_softmax, torch.log_softmax, T.log_softmax, inplace_kwarg=None)(_softmax(True))
+if hasattr(aten, "_safe_softmax"):  # what the math attention kernel runs: rows of -inf give 0, not NaN
+    register_rule(aten._safe_softmax, aten._safe_softmax.default, inplace_kwarg=None)(_softmax(False, safe=True))
