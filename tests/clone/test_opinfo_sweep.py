@@ -22,14 +22,13 @@ OPS = sweep.sweep_ops()
 # op name -> reason. Keep it short; every entry is a known engine limitation or bug.
 XFAIL: dict = {
     # found when the sweep took every sample (not the first 4) and checked gradients; not fixed yet
-    "addr": "one sample: an infinite tangent where torch.func's is finite (not investigated)",
     "hypot": "entries at the float64 maximum: x + s u rounds back to x or overflows; the difference form has no "
              "resolution there (an infinite tangent where torch.func gives a finite one)",
     "nn.functional.max_unpool2d": "flaky: colliding indices; which value lands is unspecified, and engine and torch "
                                   "differ in some runs only",
-    "nn.functional.binary_cross_entropy_with_logits": "gradient through the fallback's JVP in weight/pos_weight: "
-                                                      "torch has no reverse mode for them",
-    "tensor_split": "gradient through the fallback's JVP: torch's backward fails (no storage)",
+    "nn.functional.binary_cross_entropy_with_logits": "gradient w.r.t. weight/pos_weight: torch's op has none (a "
+                                                      "plain backward raises the same error); the rule's primal is "
+                                                      "torch's op",
     "nn.functional.embedding": "sparse=True: the fallback's JVP has no reverse mode for sparse gradients",
 }
 

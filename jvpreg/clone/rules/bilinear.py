@@ -150,9 +150,11 @@ def _scaled(t, c):
 
 
 @register_handler(torch.baddbmm, T.baddbmm, torch.addmm, T.addmm, torch.addbmm, T.addbmm, maybe(torch, "addmv"),
-                  maybe(T, "addmv"), torch.addcmul, T.addcmul, torch.addcdiv, T.addcdiv, reentrant=True)
+                  maybe(T, "addmv"), torch.addr, T.addr, torch.addcmul, T.addcmul, torch.addcdiv, T.addcdiv,
+                  reentrant=True)
 def add_product(func, args, kwargs):
-    """``beta * input + alpha * (b1 op b2)`` (addmm, baddbmm, addbmm, addmv) and
+    """``beta * input + alpha * (b1 op b2)`` (addmm, baddbmm, addbmm, addmv, addr; ``beta = 0`` ignores the input,
+    NaN and infinities included, as torch does) and
     ``input + value * t1 op t2`` (addcmul, addcdiv), run as their parts through the product rules."""
     name = func.__name__
     input, t1, t2 = args[0], args[1], args[2]
@@ -162,6 +164,6 @@ def add_product(func, args, kwargs):
         return input + _scaled(prod, value)
     beta = args[3] if len(args) > 3 else kwargs.get("beta", 1)
     alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
-    prod = {"baddbmm": torch.bmm, "addmm": torch.mm, "addmv": torch.mv}.get(name)
+    prod = {"baddbmm": torch.bmm, "addmm": torch.mm, "addmv": torch.mv, "addr": torch.outer}.get(name)
     prod = prod(t1, t2) if prod is not None else torch.bmm(t1, t2).sum(0)  # addbmm
     return _scaled(input, beta) + _scaled(prod, alpha) if beta != 0 else _scaled(prod, alpha)
