@@ -36,6 +36,19 @@ def assert_tree_close(got, want, rtol: float = RTOL, what: str = "") -> None:
             assert torch.equal(g, w.to(g.dtype)), f"{what}[{i}]: integer outputs differ"
 
 
+def sinh_rule_with_a_detached_slope(func, args, kwargs):
+    """A sinh rule exact in value whose slope ``cosh(a)`` is detached from the primal: its penalty gradients miss
+    the second-order term (what the sweep's gradient check must catch)."""
+    from torch._C import DisableTorchFunctionSubclass
+
+    from jvpreg.clone.tensor import stack_blocks, wrap
+
+    with DisableTorchFunctionSubclass():
+        z = args[0].as_subclass(torch.Tensor)
+        a = z[0]
+        return wrap(stack_blocks(torch.sinh(a), torch.sinh(a) + torch.cosh(a).detach() * (z[1:] - a)))
+
+
 def once_more_if_a_spawned_worker_aborts_at_exit(run):
     """``run()``, and once more if a spawned gloo worker aborted as it exited (SIGABRT after its work was done,
     "terminate called without an active exception": a background thread left at interpreter teardown; seen in

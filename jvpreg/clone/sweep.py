@@ -1,6 +1,6 @@
 """The engine swept over PyTorch's own op database (OpInfo), against ``torch.func.jvp`` in float64.
 
-For every OpInfo with float64 and forward-AD support, the first few sample inputs, each floating
+For every OpInfo with float64 and forward-AD support, up to ``N_SAMPLES`` (40) sample inputs, each floating
 tensor operand in turn as the differentiated input (the others held constant), and the in-place
 variant (differentiated in its ``self`` operand), one case compares ``jvpreg.jvp`` with
 ``torch.func.jvp`` (``torch.autograd.functional.jvp``, reverse mode, where forward AD fails) and
@@ -23,7 +23,8 @@ values at ``x + h v``, Richardson-extrapolated central differences) decides, sin
 is wrong for some ops (batch and layer norm). A wrong gradient is a ``mismatch``; an exception from the
 backward a ``crash`` (an :class:`UnsupportedOpError` there: an ``error``).
 
-Used by ``tests/clone/test_opinfo_sweep.py`` and ``scripts/coverage_table.py``; needs ``expecttest``.
+Used by ``tests/clone/test_opinfo_sweep.py`` and ``scripts/coverage_table.py`` (the op database needs ``expecttest``);
+:func:`check` runs the same comparison on any function, for a rule of your own.
 """
 from __future__ import annotations
 
@@ -299,6 +300,19 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     fin = b[torch.isfinite(b)]
     scale = fin.abs().max().item() if fin.numel() else 0.0
     return torch.allclose(a, b, rtol=1e-6, atol=1e-6 * max(scale, 1.0), equal_nan=True)
+
+
+def check(fn: Callable, x: torch.Tensor, u: torch.Tensor | None = None) -> str:
+    """``""`` when ``jvpreg.jvp(fn, (x,), (u,))`` matches ``torch.func.jvp`` in value and in the gradients of a
+    functional of its outputs (this module's comparison), else the first difference: the sweep's check of one op,
+    for a rule of your own. ``x`` in float64; ``u``: a random direction by default."""
+    u = _tangent_like(x, 1) if u is None else u
+    torch.manual_seed(0)
+    ref_y, ref_t = reference(fn, x.clone(), u)
+    torch.manual_seed(0)
+    y, t = _ours(fn, x.clone(), u)
+    return (mismatch(y, ref_y, ref_y, "primal") or mismatch(t, ref_t, ref_y, "tangent")
+            or gradient_mismatch(fn, x, u, ref_y, ref_t))
 
 
 def run_op(op, n_samples: int = N_SAMPLES) -> list:

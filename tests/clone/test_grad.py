@@ -516,3 +516,23 @@ def test_prelu_weight_direction_has_a_rule(shape, channels):
         _, t = jvpreg.jvp_params(m, (x,), {"weight": U})
     _, t0 = torch.func.jvp(lambda w: functional_call(m, {"weight": w}, (x,)), (m.weight.detach(),), (U,))
     torch.testing.assert_close(t, t0, rtol=1e-12, atol=1e-12)
+
+
+def test_check_finds_a_rule_whose_gradient_is_wrong():
+    """``sweep.check`` (the README's advice for a rule of your own): "" for the engine's rule; a gradient
+    difference for a rule exact in value whose slope is detached from the primal."""
+    from conftest import sinh_rule_with_a_detached_slope
+    from jvpreg.clone import register_handler, sweep
+    from jvpreg.clone.registry import HANDLERS
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert sweep.check(torch.sinh, x) == ""
+    old = HANDLERS.pop(torch.sinh, None)
+    try:
+        register_handler(torch.sinh)(sinh_rule_with_a_detached_slope)
+        assert sweep.check(torch.sinh, x).startswith("gradient")
+    finally:
+        HANDLERS.pop(torch.sinh, None)
+        if old is not None:
+            HANDLERS[torch.sinh] = old
+    assert sweep.check(torch.sinh, x) == ""

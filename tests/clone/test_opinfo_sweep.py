@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("expecttest")  # torch.testing._internal needs it
 
+from conftest import sinh_rule_with_a_detached_slope  # noqa: E402
 from jvpreg.clone import register_handler, sweep  # noqa: E402
 from jvpreg.clone.registry import HANDLERS  # noqa: E402
 
@@ -82,19 +83,8 @@ def test_sweep_detects_a_wrong_gradient():
     op = next(o for o in OPS if o.name == "sinh")
     case = next(c for c in sweep.cases(op) if c.primal.numel() > 1)
     old = HANDLERS.pop(torch.sinh, None)
-
-    def detached_slope(func, args, kwargs):
-        from torch._C import DisableTorchFunctionSubclass
-
-        from jvpreg.clone.tensor import stack_blocks, wrap
-
-        with DisableTorchFunctionSubclass():
-            z = args[0].as_subclass(torch.Tensor)
-            a = z[0]
-            return wrap(stack_blocks(torch.sinh(a), torch.sinh(a) + torch.cosh(a).detach() * (z[1:] - a)))
-
     try:
-        register_handler(torch.sinh)(detached_slope)
+        register_handler(torch.sinh)(sinh_rule_with_a_detached_slope)
         result = sweep.run_case(case)
         assert result.kind == "mismatch" and "gradient" in result.detail, result
     finally:
