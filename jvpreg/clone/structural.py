@@ -538,7 +538,8 @@ def _cat(func, tensors, dim=0):
 
     kept = [t for t in tensors if shape(t) != (0,)] or tensors[:1]
     parts = [_as_block_tensor(t, k) for t in kept]
-    return wrap(torch.cat(parts, phys_dim(dim, len(shape(kept[0])))), state=_state_of(*[t for t in kept if is_clone(t)]))
+    out = torch.cat(parts, phys_dim(dim, len(shape(kept[0]))))
+    return wrap(out, state=_state_of(*[t for t in kept if is_clone(t)]))
 
 
 @register_op(torch.stack, maybe(torch, "hstack"), maybe(torch, "vstack"), maybe(torch, "dstack"),

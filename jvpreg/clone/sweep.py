@@ -282,7 +282,8 @@ def gradient_mismatch(fn: Callable, x: torch.Tensor, u: torch.Tensor, ref_y, ref
         return float(_functional(y, t, weights))
 
     got = float((ours[0] * vx).sum() + (ours[1] * vu).sum())
-    auto = "" if ref is None else f", reverse mode through torch.func.jvp {float((ref[0] * vx).sum() + (ref[1] * vu).sum()):.6g}"
+    auto = ("" if ref is None else
+            f", reverse mode through torch.func.jvp {float((ref[0] * vx).sum() + (ref[1] * vu).sum()):.6g}")
     h = 1e-3 * max(1.0, float(x.abs().max()))
     try:
         fd = [(along(s) - along(-s)) / (2 * s) for s in (h, h / 2)]
