@@ -475,26 +475,33 @@ def _as_strided(func, input, size, stride, storage_offset=None):
     return wrap(p.as_strided((_k(input), *size), (bs, *stride), off), state=input._jvp_state)
 
 
+def _scatter_into_copy(t: torch.Tensor, like: torch.Tensor, src: torch.Tensor, size, stride, storage_offset):
+    """``torch.as_strided_scatter`` of ``t`` laid out as ``like``: ``t``'s values in a fresh storage of ``like``'s
+    size, strides and storage offset (torch's clone_preserve_strides; contiguous where ``like`` overlaps itself), and
+    ``src`` copied into ``as_strided(size, stride, storage_offset)`` of it. Written as copies, which autograd
+    differentiates exactly: torch's own input gradient of the op (torch 2.15) is the window, not its complement."""
+    if any(st == 0 and n > 1 for st, n in zip(like.stride(), like.shape)):
+        out = t.new_zeros(like.shape)
+    else:
+        storage = t.new_zeros(like.untyped_storage().nbytes() // like.element_size())
+        out = storage.as_strided(like.shape, like.stride(), like.storage_offset())
+    out.copy_(t)
+    out.as_strided(size, stride, storage_offset).copy_(src)
+    return out
+
+
 @register_op(torch.as_strided_scatter, T.as_strided_scatter)
 def _as_strided_scatter(func, input, src, size, stride, storage_offset=None):
-    """as_strided_scatter is linear in ``(input, src)``: block by block, ``out = copy of the block`` with ``src``
-    copied into ``out.as_strided(size, stride, offset)``. Written as that copy, not as torch's op, whose input
-    gradient (torch 2.15) is the window instead of its complement. Where a clone's primal block does not start
-    its storage (the window's offset is counted from there): the exact fallback."""
+    """as_strided_scatter is linear in ``(input, src)``: block by block (:func:`_scatter_into_copy`), each block laid
+    out as the primal block, so the window is where the op puts it in the primal."""
     clones = [t for t in (input, src) if is_clone(t)]
-    base = input.as_subclass(torch.Tensor)[0] if is_clone(input) else input
-    if base.storage_offset() != 0:
-        return fallback(func, (input, src, size, stride, storage_offset), {})
-    off = 0 if storage_offset is None else storage_offset
 
     def block(t, j):
         return t.as_subclass(torch.Tensor)[j] if is_clone(t) else t
 
-    outs = []
-    for j in range(_k(clones[0])):
-        out = block(input, j).clone()  # strides kept, storage offset 0
-        out.as_strided(size, stride, off).copy_(block(src, j))
-        outs.append(out)
+    like = block(input, 0)
+    outs = [_scatter_into_copy(block(input, j), like, block(src, j), size, stride, storage_offset)
+            for j in range(_k(clones[0]))]
     return wrap(torch.stack(outs), state=all(t._jvp_state for t in clones))
 
 
