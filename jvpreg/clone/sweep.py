@@ -168,13 +168,13 @@ def mismatch(got, want, ref_primal, what: str) -> str:
     return ""
 
 
-def run_case(case: Case) -> Result:
-    """Run one case and classify it (see module docstring)."""
+def run_case(case: Case, u: torch.Tensor | None = None) -> Result:
+    """Run one case and classify it (see module docstring); ``u``: the tangent (a seeded random one by default)."""
     import jvpreg
     from .dispatch import UnsupportedOpError, record_fallbacks
 
     x = case.primal
-    u = _tangent_like(x, 1)
+    u = _tangent_like(x, 1) if u is None else u
     try:
         torch.manual_seed(0)
         ref_y, ref_t = reference(case.fn, x.clone(), u)
@@ -210,29 +210,34 @@ def run_case(case: Case) -> Result:
     return Result(case, "fallback" if seen else "rule", "", tuple(sorted(set(seen))))
 
 
-def _finite_float_leaves(tree) -> list:
+def _float_leaves(tree) -> list:
     return [l for l in tree_flatten(tree)[0] if isinstance(l, torch.Tensor) and l.dtype == D]
 
 
 def _functional(y, t, weights) -> torch.Tensor:
     """``<w_y, y> + <w_t, t>`` over the float leaves (``None`` weights skipped)."""
     total = torch.zeros((), dtype=D)
-    for leaf, w in zip(_finite_float_leaves(y) + _finite_float_leaves(t), weights):
+    for leaf, w in zip(_float_leaves(y) + _float_leaves(t), weights):
         if w is not None:
             total = total + (leaf * w).sum()
     return total
 
 
-def _grad_of_functional(jvp: Callable, fn: Callable, x: torch.Tensor, u: torch.Tensor, weights) -> list:
-    """``[dL/dx, dL/du]`` with ``(y, t) = jvp(fn, x, u)`` (zeros where ``L`` does not depend on one)."""
+def _differentiable_run(jvp: Callable, fn: Callable, x: torch.Tensor, u: torch.Tensor) -> tuple:
+    """``((y, t), x', u')``: ``jvp(fn, x', u')`` on copies of ``x, u`` that require grad."""
     xr, ur = x.clone().requires_grad_(), u.clone().requires_grad_()
     torch.manual_seed(0)
-    y, t = jvp(fn, xr, ur)
+    return jvp(fn, xr, ur), xr, ur
+
+
+def _grads(run: tuple, weights) -> list:
+    """``[dL/dx, dL/du]`` of a :func:`_differentiable_run` (zeros where ``L`` does not depend on one)."""
+    (y, t), xr, ur = run
     total = _functional(y, t, weights)
     if not total.requires_grad:
-        return [torch.zeros_like(x), torch.zeros_like(u)]
+        return [torch.zeros_like(xr), torch.zeros_like(ur)]
     grads = torch.autograd.grad(total, (xr, ur), allow_unused=True)
-    return [torch.zeros_like(v) if g is None else g for g, v in zip(grads, (x, u))]
+    return [torch.zeros_like(v) if g is None else g for g, v in zip(grads, (xr, ur))]
 
 
 def _ours(fn, x, u):
@@ -251,22 +256,23 @@ def gradient_mismatch(fn: Callable, x: torch.Tensor, u: torch.Tensor, ref_y, ref
     """"" (close, or nothing to compare) or a description of a wrong gradient; see the module docstring."""
     if not _is_float(x) or x.is_complex() or x.numel() == 0 or not bool(torch.isfinite(x).all()):
         return ""
-    leaves = _finite_float_leaves(ref_y) + _finite_float_leaves(ref_t)
+    leaves = _float_leaves(ref_y) + _float_leaves(ref_t)
     if not leaves or not all(bool(torch.isfinite(l).all()) for l in leaves):
         return ""
     g = torch.Generator().manual_seed(2)
-    xr, ur = x.clone().requires_grad_(), u.clone().requires_grad_()
-    try:  # outputs torch declares non-differentiable (batch norm's saved statistics) are left out of L
-        differentiable = [l.requires_grad for l in _finite_float_leaves(_torch_func(fn, xr, ur))]
+    try:
+        ref_run = _differentiable_run(_torch_func, fn, x, u)
+        # outputs torch declares non-differentiable (batch norm's saved statistics) are left out of L
+        differentiable = [l.requires_grad for l in _float_leaves(ref_run[0])]
     except Exception:
-        differentiable = [True] * len(leaves)
+        ref_run, differentiable = None, [True] * len(leaves)
     weights = [torch.randn(l.shape, dtype=D, generator=g) if d else None for l, d in zip(leaves, differentiable)]
     try:
-        ref = _grad_of_functional(_torch_func, fn, x, u, weights)
+        ref = None if ref_run is None else _grads(ref_run, weights)
     except Exception:  # no reverse-over-forward in torch: the finite differences alone decide
         ref = None
     try:
-        ours = _grad_of_functional(_ours, fn, x, u, weights)
+        ours = _grads(_differentiable_run(_ours, fn, x, u), weights)
     except Exception:
         if ref is None:  # torch cannot differentiate this JVP either (a target, a class weight, a sparse grad)
             return ""
@@ -305,15 +311,11 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def check(fn: Callable, x: torch.Tensor, u: torch.Tensor | None = None) -> str:
     """``""`` when ``jvpreg.jvp(fn, (x,), (u,))`` matches ``torch.func.jvp`` in value and in the gradients of a
-    functional of its outputs (this module's comparison), else the first difference: the sweep's check of one op,
-    for a rule of your own. ``x`` in float64; ``u``: a random direction by default."""
-    u = _tangent_like(x, 1) if u is None else u
-    torch.manual_seed(0)
-    ref_y, ref_t = reference(fn, x.clone(), u)
-    torch.manual_seed(0)
-    y, t = _ours(fn, x.clone(), u)
-    return (mismatch(y, ref_y, ref_y, "primal") or mismatch(t, ref_t, ref_y, "tangent")
-            or gradient_mismatch(fn, x, u, ref_y, ref_t))
+    functional of its outputs (this module's comparison), else ``"<kind>: <first difference>"`` (kinds of
+    :func:`run_case`): the sweep's check of one op, for a rule of your own. ``x`` in float64; ``u``: a random
+    direction by default."""
+    result = run_case(Case(getattr(fn, "__name__", "fn"), "", 0, 0, fn, x), u)
+    return "" if result.kind in ("rule", "fallback") else f"{result.kind}: {result.detail}"
 
 
 def run_op(op, n_samples: int = N_SAMPLES) -> list:
