@@ -7,7 +7,8 @@ Order of resolution for ``func(*args, **kwargs)`` with at least one clone argume
 3. all clone arguments are *state* (equal blocks): evaluate on block 0 and repeat;
 4. the exact fallback: ``out_0 = func(block 0)`` and, for each tangent block j,
    ``out_j = out_0 + jvp(func)(block 0; block j - block 0)`` with ``torch.func.jvp`` —
-   the linearisation of that one op at the primal, which is what every rule computes.
+   the linearisation of that one op at the primal, which is what every rule computes
+   (along the block difference rescaled by a power of two to the primal's size: :func:`_unit_scale`).
    Non-float outputs (masks, indices) are state and are repeated from block 0.
    An op without a forward-mode formula raises :class:`UnsupportedOpError`, which
    names the op and how to register a rule. Never a silently wrong result.
@@ -322,6 +323,22 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _unit_scale(primals: tuple, tangents: tuple) -> torch.Tensor:
+    """``c = 2^round(log2(||x|| / ||d||))`` (1 where either norm is 0 or not finite), a 0-d tensor: the fallback
+    differentiates along ``c d`` and divides by ``c`` (exact: powers of two), so ``torch.func.jvp`` sees a tangent of the
+    primal's size, not the clone block's ``s u`` (``s`` ~ 2^20 rms(x) / rms(u)). Linear in exact arithmetic, some
+    forward-mode formulas are not in floating point: ``matrix_exp``'s (the exponential of ``[[X, D], [0, X]]``, whose
+    scaling-and-squaring follows ``||D||``) was 23% off in float32 along ``s u``."""
+    with torch.no_grad():
+        def norm(ts):
+            sq = [torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2 for t in ts if t.numel()]
+            return torch.stack(sq).sum().sqrt() if sq else torch.ones((), dtype=torch.float64)
+
+        r = norm(primals) / norm(tangents)
+        ok = torch.isfinite(r) & (r > 0)
+        return torch.where(ok, torch.exp2(torch.round(torch.log2(torch.where(ok, r, 1.0)))), 1.0)
+
+
 def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Exact per-op linearisation at block 0 with ``torch.func.jvp`` (see module docstring)."""
     flat, spec, idx = _flat_clones(args, kwargs)
@@ -369,13 +386,15 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
             if rng is not None:
                 _set_rng_state(rng, device)
             tangents = tuple(_dense(block_delta(flat[i][j], flat[i][0])) for i in diff)
+            c = _unit_scale(primals, tangents)
+            tangents = tuple(t * c for t in tangents)
             if isinstance(func, torch._ops.OpOverload) or isinstance(func, torch._ops.OpOverloadPacket):
                 t_fl, out = _forward_ad_checked(g, primals, tangents, name)
             else:
                 _, t_fl, out = torch.func.jvp(g, primals, tangents, has_aux=True)
             if out0 is None:
                 out0 = out
-            tangent_outs.append(t_fl)
+            tangent_outs.append(tuple(t / c for t in t_fl))
     except UnsupportedOpError as err:
         raise UnsupportedOpError(f"{err} {_how_to_register(func, name)}") from err
     except Exception as err:  # no forward-mode formula, or the op refuses dual tensors

@@ -241,6 +241,19 @@ def test_fallback_with_several_tangents():
                                    rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_fallback_differentiates_along_a_tangent_of_the_primals_size(dtype, rtol, fresh_warnings):
+    """The fallback hands torch.func.jvp the block difference rescaled by a power of two to the primal's size, not
+    ``s u`` (s ~ 2^20): matrix_exp's forward-mode formula (the exponential of [[X, D], [0, X]]) follows ||D||, and
+    along ``s u`` its float32 JVP was 23% off (float64: 4e-9)."""
+    torch.manual_seed(0)
+    x, u = torch.randn(5, 5, dtype=dtype) * 4, torch.randn(5, 5, dtype=dtype)
+    with pytest.warns(jvpreg.JVPFallbackWarning, match="matrix_exp"):
+        _, t = jvpreg.jvp(torch.linalg.matrix_exp, (x,), (u,))
+    _, want = torch.func.jvp(torch.linalg.matrix_exp, (x.double(),), (u.double(),))
+    torch.testing.assert_close(t.double(), want, rtol=rtol, atol=rtol * want.abs().max().item())
+
+
 @pytest.mark.parametrize("setting", FALLBACK_SETTINGS, ids=[s["id"] for s in FALLBACK_SETTINGS])
 def test_fallback_disabled_raises(setting):
     with fallback_mode("error"), pytest.raises(
