@@ -94,8 +94,9 @@ def test_sweep_detects_a_wrong_gradient():
     assert sweep.run_case(case).kind in ("rule", "fallback")
 
 
-# float32: the tangent's hypot entries at the float64 maximum overflow in float32 too (see XFAIL)
-F32_XFAIL = {"hypot"}
+# float32: the ops in XFAIL fail for the same reasons (hypot's entries at the float64 maximum; max_unpool2d's colliding
+# indices, nondeterministic)
+F32_XFAIL = {"hypot", "nn.functional.max_unpool2d"}
 
 
 @pytest.mark.slow
