@@ -162,9 +162,11 @@ class Method:
 def _build_clone(p: Problem):
     import jvpreg
 
+    # engine="captured": the default engine's steady state from the first (checking) call on, also where the
+    # cell budget leaves no warm-up call ("auto" would capture on the first timed one)
     if p.kind == "x":
-        return lambda: jvpreg.jvp(p.model, (p.x,), (p.u,))[1]
-    return lambda: jvpreg.jvp_params(p.model, (p.x,), {p.param_name: p.U})[1]
+        return lambda: jvpreg.jvp(p.model, (p.x,), (p.u,), engine="captured")[1]
+    return lambda: jvpreg.jvp_params(p.model, (p.x,), {p.param_name: p.U}, engine="captured")[1]
 
 
 def _build_fwd_2b(p: Problem):

@@ -8,7 +8,8 @@ training step (zero_grad, forward, backward, SGD step) per method and writes Mar
   cost if the engine added nothing to the 2B-row forward and backward, the floor of the clone methods.
 * ``clone``: task loss + lam * JacobianFrobenius (1 projection, whole batch) through the callbacks'
   own code path (:class:`jvpreg.callbacks.SharedForward` armed around the model call: one forward
-  of the 2B-row batch, one backward), on the default (captured) engine; ``clone_eager`` and
+  of the 2B-row batch, one backward), on the default engine (captured from the second step; the warm-up
+  steps take the eager one and the capture); ``clone_eager`` and
   ``clone_compiled`` force the eager and the compiled engines (:mod:`jvpreg.clone.capture`).
 * ``plain_compiled``: the plain step with the model under ``torch.compile`` (the reference for
   ``clone_compiled``).
@@ -266,7 +267,8 @@ def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[st
         row = {"model": name, "method": method, "batch": batch, "input": list(shape)}
         try:
             step = Step(method, model, x, y, u)
-            for _ in range(max(1, warmup)):  # fails fast, before any timing
+            # fails fast, before any timing; at least 2 steps: engine="auto" captures on the second
+            for _ in range(max(2, warmup)):
                 step()
             steps[method] = step
             row["status"] = "ok"

@@ -335,7 +335,7 @@ class JVPRegularizer(Callback):
         prog_bar: show ``train/<name>`` and ``train/total_loss`` (task loss + weighted penalties) on the
             progress bar (they are logged either way).
         engine: how the clone forward runs (see :func:`jvpreg.jvp`): ``"auto"`` replays a program
-            captured once per input signature (compiled when the network is ``torch.compile``-d),
+            captured once per input signature on its second step (compiled when the network is ``torch.compile``-d),
             ``"eager"`` forces op-by-op clone mode; regularizers of one module must agree.
 
     Raises:

@@ -8,7 +8,9 @@ tensor subclass and no rule lookup left. Later calls with the same signature rep
 through its cheapest exact entry point: :mod:`jvpreg.clone.replay`); the replay is ordinary eager
 PyTorch, so autograd through it gives exact gradients, BatchNorm's in-place running-statistics
 updates happen on the live buffers, and random ops (one dropout mask for all blocks) draw fresh
-numbers on every call. ``engine="compiled"`` hands the same program to
+numbers on every call. ``engine="auto"`` (the default for modules) runs the first call of a new signature in
+eager clone mode and captures on the second (:data:`EAGER_CALLS_BEFORE_CAPTURE`); ``engine="captured"``
+captures on the first. ``engine="compiled"`` hands the same program to
 ``torch.compile`` so Inductor fuses the clone rules with the model's ops. :func:`jvpreg.jvp` records its
 whole call as one program: ``(x, u, s) -> (f(x), J u)``, the packing ``[x; x + s u]`` and the unpacking
 ``(y_1 - y_0) / s`` included, so a replay runs no Python between them.
@@ -81,11 +83,17 @@ from .replay import replay_function
 from .passes import optimize
 from .tensor import CloneTensor
 
-__all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "call", "reset", "uncompiled",
+__all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGER_CALLS_BEFORE_CAPTURE", "call", "reset", "uncompiled",
            "resolve_engine", "programs"]
 
 ENGINES = ("auto", "eager", "captured", "compiled")
 MAX_PROGRAMS = 16
+#: ``engine="auto"`` runs this many calls of a new call signature in eager clone mode before it captures one.
+#: A capture costs 10-170x an eager call (on this CPU 0.1-0.5 s for an MLP, ResNet-18 or a 4-layer ViT after the
+#: process's first capture, which takes 0.5-1.5 s; 2-7 s for timm's CoaT or Inception-v4), which a signature
+#: called once (an analysis call, a notebook cell, a last partial batch) never earns back.
+EAGER_CALLS_BEFORE_CAPTURE = 1
+_MAX_SEEN = 256  # signatures remembered as seen-but-not-captured per module (transient shapes stay eager)
 
 
 class CaptureError(RuntimeError):
@@ -142,7 +150,8 @@ def uncompiled(module: Any):
 
 
 def resolve_engine(engine: str, func: Any, where: str) -> str:
-    """``"auto"`` -> ``"compiled"`` for compiled modules, ``"captured"`` for modules, ``"eager"`` otherwise."""
+    """``"auto"`` -> ``"compiled"`` for compiled modules, ``"auto"`` (captured from the second call of a
+    signature: :data:`EAGER_CALLS_BEFORE_CAPTURE`) for modules, ``"eager"`` otherwise."""
     if engine not in ENGINES:
         raise ValueError(f"{where}: expected engine to be one of {', '.join(repr(e) for e in ENGINES)}, "
                          f"got {engine!r}.")
@@ -150,7 +159,7 @@ def resolve_engine(engine: str, func: Any, where: str) -> str:
         return engine
     if is_compiled(func):
         return "compiled" if isinstance(unwrap_compiled(func), nn.Module) else "eager"
-    return "captured" if isinstance(func, nn.Module) else "eager"
+    return "auto" if isinstance(func, nn.Module) else "eager"
 
 
 # --------------------------------------------------------------------------------- per-module state
@@ -206,6 +215,7 @@ class _Record:
     child_dicts: List[Dict[str, Any]] = field(default_factory=list)
     hooks: str = ""
     programs: Dict[Any, _Program] = field(default_factory=dict)
+    seen: Dict[Any, int] = field(default_factory=dict)  # engine="auto": eager calls so far of a signature not captured
     flagged: List[nn.Module] = field(default_factory=list)   # submodules whose training flag is guarded
     hook_epoch: int = -1
     slot_stores: Optional[Tuple[Dict[str, Any], ...]] = None  # slots, unzipped once
@@ -596,7 +606,8 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
     Args:
         module: the module whose parameters, buffers and submodules the call reads.
         args, kwargs: the call's arguments.
-        engine: ``"captured"`` (replay the recorded program), ``"compiled"`` (the program under
+        engine: ``"captured"`` (replay the recorded program), ``"auto"`` (the same, after
+            :data:`EAGER_CALLS_BEFORE_CAPTURE` eager calls of the signature), ``"compiled"`` (the program under
             ``torch.compile``), or ``"eager"`` (plain clone mode).
         fn: the callable to record (e.g. ``module.forward`` to skip the module's own hooks).
         key: what names ``fn`` in the guard key (hashable; default: ``fn`` itself). A caller that makes
@@ -634,6 +645,15 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     if prog is not None and prog.attrs and not all((module.__dict__ if d is None else d).get(n) is v
                                                    for d, n, v in prog.attrs):
         prog = None  # a tensor attribute the program baked in was reassigned
+    if prog is None and engine == "auto":
+        calls = rec.seen.get(key, 0)
+        if calls < EAGER_CALLS_BEFORE_CAPTURE:  # a signature seen for the first time: not worth a capture yet
+            if len(rec.seen) >= _MAX_SEEN:
+                rec.seen.clear()
+            rec.seen[key] = calls + 1
+            with functions.active(), uncompiled(module):
+                return fn(*args, **kwargs)
+        rec.seen.pop(key, None)
     if prog is None:
         reason = _unsupported(module, rec)
         if not reason and len(rec.programs) >= MAX_PROGRAMS:

@@ -626,8 +626,9 @@ def regularized_forward(model: nn.Module, x: torch.Tensor, penalties: Any, *, ta
         target: the batch's targets, passed to the penalties (e.g. ``JVPConstraint``'s ``direction(x, y)``).
         batch_fraction: apply the penalties to the first ``ceil(f * B)`` rows only (see module docstring).
         args, kwargs: further arguments of the model call.
-        engine: how the clone forward runs (see :func:`jvpreg.jvp`): ``"auto"`` replays a captured
-            program for the model (compiled if the model is ``torch.compile``-d), ``"eager"`` forces
+        engine: how the clone forward runs (see :func:`jvpreg.jvp`): ``"auto"`` replays a program
+            captured on the second call of an input signature (compiled if the model is ``torch.compile``-d),
+            ``"eager"`` forces
             op-by-op clone mode.
 
     Returns:

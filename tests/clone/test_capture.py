@@ -15,6 +15,14 @@ from jvpreg.losses import JacobianFrobenius, Stack, TangentProp, regularized_for
 from jvpreg.models import build_model
 
 D = torch.float64
+DEFAULT_EAGER_CALLS = capture.EAGER_CALLS_BEFORE_CAPTURE
+
+
+@pytest.fixture(autouse=True)
+def capture_on_first_call(monkeypatch):
+    """These tests are about captured programs: ``engine="auto"`` captures on the first call here (see
+    ``test_auto_runs_a_new_signature_eagerly_once_then_captures`` for the default)."""
+    monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
 
 
 def randn(*shape, dtype=D):
@@ -182,6 +190,41 @@ def test_cache_hit_and_recapture_on_changed_guards():
     assert len(capture.programs(model)) == 5
     jvpreg.jvp(model, (x.float(),), (torch.randn(2, 3, 4),), batched_tangents=True)  # number of tangents
     assert len(capture.programs(model)) == 6
+
+
+def test_auto_runs_a_new_signature_eagerly_once_then_captures(monkeypatch):
+    monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", DEFAULT_EAGER_CALLS)
+    assert DEFAULT_EAGER_CALLS == 1
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    _, t_ref = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    _, t1 = jvpreg.jvp(model, (x,), (u,))
+    assert capture.programs(model) == {}  # a first call: eager clone mode, nothing recorded
+    _, t2 = jvpreg.jvp(model, (x,), (u,))
+    (prog,) = capture.programs(model).values()  # the second call of the signature captures
+    _, t3 = jvpreg.jvp(model, (x,), (u,))
+    assert list(capture.programs(model).values()) == [prog]
+    for t in (t1, t2, t3):
+        torch.testing.assert_close(t, t_ref, rtol=0, atol=0)
+    jvpreg.jvp(model, (randn(5, 4),), (randn(5, 4),))  # a signature seen once (a last partial batch)
+    assert len(capture.programs(model)) == 1
+    other = copy.deepcopy(model)
+    jvpreg.jvp(other, (x,), (u,), engine="captured")  # asked for: captured on the first call
+    assert len(capture.programs(other)) == 1
+
+
+def test_auto_warns_about_an_uncapturable_model_when_it_would_capture(monkeypatch):
+    monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", DEFAULT_EAGER_CALLS)
+    capture._WARNED.clear()
+    model = Branchy().to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jvpreg.jvp(model, (x,), (u,))
+    with pytest.warns(JVPCaptureWarning, match="data-dependent control flow"):
+        _, t = jvpreg.jvp(model, (x,), (u,))
+    _, t_ref = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    torch.testing.assert_close(t, t_ref, rtol=0, atol=0)
 
 
 def test_replaced_parameter_and_swapped_submodule_are_used():

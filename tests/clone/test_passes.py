@@ -12,6 +12,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import jvpreg
 from jvpreg.clone import capture, passes
 
+
+@pytest.fixture(autouse=True)
+def capture_on_first_call(monkeypatch):
+    """The programs inspected here are captured by the first call (``engine="auto"`` waits for the second)."""
+    monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
+
 D = torch.float64
 aten = torch.ops.aten
 
