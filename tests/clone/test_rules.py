@@ -418,6 +418,16 @@ NORM_SETTINGS = [
     {"id": "groupnorm-one-group-no-affine", "module": lambda: nn.GroupNorm(1, 4, affine=False),
      "input_shape": (2, 4, 3, 3)},
     {"id": "groupnorm-F-1d", "func": lambda x: F.group_norm(x, 4), "input_shape": (2, 4, 5)},
+    # RMSNorm, and normalisations written with var/std (EvoNorm, hand-made layer norms)
+    {"id": "rmsnorm", "module": lambda: randomized(nn.RMSNorm(5)), "input_shape": (2, 3, 5)},
+    {"id": "rmsnorm-two-dims-eps", "module": lambda: randomized(nn.RMSNorm((3, 5), eps=1e-3)), "input_shape": (2, 3, 5)},
+    {"id": "rmsnorm-F-no-weight", "func": lambda x: F.rms_norm(x, (4,)), "input_shape": IMG},
+    {"id": "var-groups", "func": lambda x: x / (x.reshape(2, 3, -1).var(dim=2, unbiased=False, keepdim=True)
+                                               .unsqueeze(-1) + 1e-5).sqrt(), "input_shape": IMG},
+    {"id": "std-correction", "func": lambda x: x.std(dim=(1, 2), correction=0, keepdim=True) * x, "input_shape": IMG},
+    {"id": "var-all", "func": lambda x: torch.var(x) * x, "input_shape": VEC},
+    {"id": "var_mean", "func": lambda x: torch.stack(torch.var_mean(x, -1)), "input_shape": VEC},
+    {"id": "std_mean", "func": lambda x: torch.stack(torch.std_mean(x, dim=0, unbiased=False)), "input_shape": VEC},
 ]
 
 

@@ -57,9 +57,10 @@ def def_composite(*funcs, aliases=None):
             out = body(*args, **kwargs)
             if out is NotImplemented:
                 return _fallback(func, args, kwargs)
-            if isinstance(out, tuple):  # (values, indices): indices are the primal's
-                vals = _combine(out_a[0], out[0])
-                return type(out_a)((vals,) + tuple(out[1:]))
+            if isinstance(out, tuple):  # (var, mean) or (values, indices): indices are the primal's
+                parts = tuple(_combine(a, b) if is_clone(b) and b.is_floating_point() else b
+                              for a, b in zip(out_a, out))
+                return type(out_a)(parts)
             return _combine(out_a, out)
 
         handler.__doc__ = body.__doc__
@@ -165,6 +166,61 @@ def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
 def tensor_norm(func, input, p="fro", dim=None, keepdim=False, dtype=None):
     """``Tensor.norm`` is ``torch.norm`` (a Python function whose body runs through the rules)."""
     return torch.norm(input, p, dim, keepdim, dtype=dtype)
+
+
+def _variance(input, dim, unbiased, keepdim, correction):
+    """``sum((x - mean x)^2) / max(0, N - correction)`` over ``dim`` for every overload of torch's variance:
+    ``(x, unbiased)``, ``(x, dim, unbiased, keepdim)``, ``(x, dim, *, correction, keepdim)``."""
+    if isinstance(dim, bool):  # var(x, unbiased)
+        dim, unbiased = None, dim
+    corr = correction if correction is not None else (0 if unbiased is False else 1)
+    dims = tuple(range(input.dim())) if dim is None or (isinstance(dim, (list, tuple)) and not dim) else \
+        ((dim,) if isinstance(dim, int) else tuple(dim))
+    n = 1
+    for d in dims:
+        n *= input.shape[d] if input.dim() else 1
+    centred = input - input.mean(dims, keepdim=True) if input.dim() else input - input
+    return (centred * centred).sum(dims if input.dim() else (), keepdim=keepdim) / max(0, n - corr)
+
+
+def _mean(input, dim, keepdim):
+    if isinstance(dim, bool) or dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        return input.mean(tuple(range(input.dim())), keepdim=keepdim) if input.dim() else input * 1
+    return input.mean(dim, keepdim=keepdim)
+
+
+@def_composite(torch.var, T.var)
+def var(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    """var(x) = sum((x - mean x)^2) / max(0, N - correction): d var = 2 sum((x - mean x) d) / (N - correction)."""
+    return _variance(input, dim, unbiased, keepdim, correction)
+
+
+@def_composite(torch.std, T.std)
+def std(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    """std(x) = sqrt(var(x)): d std = d var / (2 std)."""
+    return torch.sqrt(_variance(input, dim, unbiased, keepdim, correction))
+
+
+@def_composite(torch.var_mean)
+def var_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    """(var(x), mean(x)), each linearised as alone."""
+    return _variance(input, dim, unbiased, keepdim, correction), _mean(input, dim, keepdim)
+
+
+@def_composite(torch.std_mean)
+def std_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    """(std(x), mean(x)), each linearised as alone."""
+    return torch.sqrt(_variance(input, dim, unbiased, keepdim, correction)), _mean(input, dim, keepdim)
+
+
+@def_composite(torch.rms_norm, F.rms_norm)
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    """rms_norm(x) = x / sqrt(mean(x^2) + eps) * w over the last ``len(normalized_shape)`` dims (``eps=None``:
+    the dtype's machine epsilon, as torch)."""
+    dims = tuple(range(-len(normalized_shape), 0))
+    e = torch.finfo(input.dtype).eps if eps is None else eps
+    y = input * torch.rsqrt((input * input).mean(dims, keepdim=True) + e)
+    return y if weight is None else y * weight
 
 
 @def_composite(torch._C._nn.glu)
