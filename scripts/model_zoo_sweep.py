@@ -1,0 +1,357 @@
+"""jvpreg.jvp against torch.func.jvp on timm and Hugging Face architectures: random weights, float64, eval mode.
+
+Writes ``docs/model_zoo.md`` and ``.json``: per model, the relative error ``||t - t_ref|| / ||t_ref||`` of the eager
+and the captured engine, the ops that took the exact fallback, and why a model could not be captured.
+
+* Input: batch 2 at 64x64 where the architecture takes ``img_size``, else batch 1 at its own input size; Hugging
+  Face text models get ``inputs_embeds`` (batch 2, 10 tokens, the second sample's last 3 padded out by the
+  attention mask: the ``-inf``/``finfo.min`` masking path).
+* Reference: ``torch.func.jvp`` of the same model. Where forward AD is missing (the fused attention kernels), the
+  same weights with attention on its math path (timm: ``fused_attn = False``; Hugging Face:
+  ``attn_implementation="eager"``).
+* Verdict, in *float64 throughout*: many models compute parts of themselves in float32 whatever the input dtype
+  (LLaMA's RMSNorm, ``softmax(dtype=float32)``, EvoNorm, EfficientViT's attention), so there both results are
+  float32-accurate and differ by ~1e-8. The verdict compares them with those casts turned into no-ops (ours and
+  the reference alike), and with torch's ``hardsigmoid`` replaced by ``relu6(x + 3) / 6`` in the reference only:
+  torch's backward kernel for it uses a float32 1/6 (3e-8 relative error in float64). ``exact``: both engines
+  within 1e-10 there. The errors of the model as it is are in the table too.
+
+Usage::
+
+    python scripts/model_zoo_sweep.py                       # the default lists below (~25 minutes on 2 CPU cores)
+    python scripts/model_zoo_sweep.py --timm resnet18,convnext_atto --hf llama --out /tmp/zoo
+
+Each model runs in its own subprocess (``--one timm NAME`` prints its JSON), so a crash or a timeout is one row.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+TIMM = ("test_vit test_vit4 test_convnext test_efficientnet test_efficientnet_evos test_nfnet test_byobnet test_resnet "
+        "test_coatnet test_mambaout resnet10t resnet18d seresnext26t_32x4d skresnet18 resnest14d res2net50_26w_4s "
+        "regnetx_002 dla34 densenet121 dpn48b hrnet_w18_small cspnext_tiny ese_vovnet19b_slim_dw mobilenetv3_small_050 "
+        "mobilenetv4_conv_small mobilenetv2_050 efficientnet_lite0 tf_efficientnet_b0 mixnet_s ghostnet_050 "
+        "hardcorenas_b fbnetv3_b lcnet_050 rexnet_100 repvit_m1 mobileone_s0 convnext_atto convnextv2_atto "
+        "edgenext_xx_small inception_next_atto poolformerv2_s12 convmixer_768_32 mobilevit_xxs mobilevitv2_050 "
+        "efficientformerv2_s0 efficientvit_b0 efficientvit_m0 fastvit_t8 deit_tiny_patch16_224 cait_xxs24_224 "
+        "xcit_nano_12_p8_224 pit_ti_224 levit_128s crossvit_tiny_240 coat_tiny convit_tiny tiny_vit_5m_224 "
+        "swin_tiny_patch4_window7_224 maxvit_nano_rw_256 davit_tiny focalnet_tiny_srf gcvit_xxtiny hiera_tiny_224 "
+        "eva02_tiny_patch14_224 mixer_s32_224 gmixer_12_224 resmlp_12_224 sequencer2d_s").split()
+HF = ("bert roberta distilbert electra mpnet gpt2 gpt_neox opt phi falcon llama mistral qwen2 qwen3 gemma gemma2 "
+      "t5 bart hf_vit hf_swin hf_convnext hf_dinov2").split()
+EXACT = 1e-10
+
+
+# --------------------------------------------------------------------------------------------- one model
+
+
+def _rel(a, b) -> float:
+    import torch
+
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+@contextlib.contextmanager
+def float64_throughout():
+    """Float32 casts of float64 tensors (``.float()``, ``.to(torch.float32)``, ``softmax(dtype=float32)``) as no-ops."""
+    import torch
+    import torch.nn.functional as F
+
+    to, flt, softmax = torch.Tensor.to, torch.Tensor.float, F.softmax
+
+    def to64(self, *args, **kwargs):
+        if self.dtype == torch.float64 and (torch.float32 in args or kwargs.get("dtype") is torch.float32):
+            return self
+        return to(self, *args, **kwargs)
+
+    def softmax64(input, dim=None, _stacklevel=3, dtype=None):
+        return softmax(input, dim=dim, dtype=None if input.dtype == torch.float64 else dtype)
+
+    torch.Tensor.to, torch.Tensor.float, F.softmax = to64, (lambda self: flt(self) if self.dtype != torch.float64
+                                                             else self), softmax64
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float, F.softmax = to, flt, softmax
+
+
+@contextlib.contextmanager
+def exact_hardsigmoid():
+    """``F.hardsigmoid`` as ``relu6(x + 3) / 6``: torch's kernel gives a float32-accurate derivative in float64."""
+    import torch.nn.functional as F
+
+    hs = F.hardsigmoid
+    F.hardsigmoid = lambda input, inplace=False: F.relu6(input + 3) / 6
+    try:
+        yield
+    finally:
+        F.hardsigmoid = hs
+
+
+def _timm(name: str):
+    import timm
+    import torch
+
+    last = None
+    for size in (64, None):
+        try:
+            model = timm.create_model(name, pretrained=False, num_classes=5, **({"img_size": size} if size else {}))
+            c = model.pretrained_cfg.get("input_size", (3, 224, 224))
+            shape = (2, c[0], size, size) if size else (1, *c)
+            model = model.double().eval()
+            x = torch.randn(shape, dtype=torch.float64)
+            with torch.no_grad():
+                model(x)
+            break
+        except Exception as err:  # noqa: BLE001  (an architecture without img_size or with a fixed size)
+            last = err
+    else:
+        raise last
+
+    def math_attention(m):
+        m = copy.deepcopy(m)
+        for sub in m.modules():
+            if getattr(sub, "fused_attn", None) is True:
+                sub.fused_attn = False
+        return m
+
+    return model, (lambda m: m), x, math_attention
+
+
+_H, _LAYERS, _HEADS, _FF = 32, 2, 4, 64
+
+
+def _hf_config(name: str):
+    import transformers as T
+
+    dims = dict(hidden_size=_H, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS, intermediate_size=_FF)
+    gqa = dict(dims, num_key_value_heads=2)
+    text = {
+        "bert": (T.BertConfig, dims), "roberta": (T.RobertaConfig, dims), "electra": (T.ElectraConfig, dims),
+        "mpnet": (T.MPNetConfig, dims), "gpt_neox": (T.GPTNeoXConfig, dims), "phi": (T.PhiConfig, dims),
+        "falcon": (T.FalconConfig, dict(hidden_size=_H, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS)),
+        "distilbert": (T.DistilBertConfig, dict(dim=_H, n_layers=_LAYERS, n_heads=_HEADS, hidden_dim=_FF)),
+        "gpt2": (T.GPT2Config, dict(n_embd=_H, n_layer=_LAYERS, n_head=_HEADS, n_positions=64)),
+        "opt": (T.OPTConfig, dict(hidden_size=_H, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS, ffn_dim=_FF,
+                                  word_embed_proj_dim=_H)),
+        "llama": (T.LlamaConfig, gqa), "mistral": (T.MistralConfig, gqa), "qwen2": (T.Qwen2Config, gqa),
+        "qwen3": (T.Qwen3Config, dict(gqa, head_dim=8)), "gemma": (T.GemmaConfig, dict(gqa, head_dim=8)),
+        "gemma2": (T.Gemma2Config, dict(gqa, head_dim=8)),
+        "t5": (T.T5Config, dict(d_model=_H, d_kv=8, d_ff=_FF, num_layers=_LAYERS, num_heads=_HEADS)),
+        "bart": (T.BartConfig, dict(d_model=_H, encoder_layers=_LAYERS, decoder_layers=_LAYERS, encoder_ffn_dim=_FF,
+                                    decoder_ffn_dim=_FF, encoder_attention_heads=_HEADS,
+                                    decoder_attention_heads=_HEADS)),
+    }
+    vision = {
+        "hf_vit": (T.ViTConfig, dict(dims, image_size=32, patch_size=8)),
+        "hf_dinov2": (T.Dinov2Config, dict(dims, image_size=32, patch_size=8)),
+        "hf_swin": (T.SwinConfig, dict(image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                       window_size=4)),
+        "hf_convnext": (T.ConvNextConfig, dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1])),
+    }
+    if name in text:
+        cls, kw = text[name]
+        return cls(vocab_size=100, max_position_embeddings=64, **kw), "text"
+    cls, kw = vision[name]
+    return cls(**kw), "vision"
+
+
+class _LastHidden:
+    """``x -> model(inputs_embeds=x, attention_mask=mask).last_hidden_state`` (``pixel_values=x`` without a mask)
+    as a module, so that the captured engine records it."""
+
+    def __new__(cls, model, mask):
+        from torch import nn
+
+        class LastHidden(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+                self.mask = mask
+
+            def forward(self, x):
+                if self.mask is None:
+                    return self.model(pixel_values=x).last_hidden_state
+                return self.model(inputs_embeds=x, attention_mask=self.mask).last_hidden_state
+
+        return LastHidden()
+
+
+def _hf(name: str):
+    import torch
+    import transformers as T
+
+    cfg, kind = _hf_config(name)
+    try:
+        model = T.AutoModel.from_config(cfg, attn_implementation="sdpa")
+    except (ValueError, ImportError):  # no SDPA path in this architecture: its eager attention is the model
+        model = T.AutoModel.from_config(cfg, attn_implementation="eager")
+    model = model.double().eval()
+    if kind == "text":
+        x = torch.randn(2, 10, _H, dtype=torch.float64)
+        mask = torch.ones(2, 10, dtype=torch.long)
+        mask[1, -3:] = 0
+    else:
+        x, mask = torch.randn(2, 3, 32, 32, dtype=torch.float64), None
+
+    def call(m):
+        return _LastHidden(m.get_encoder() if name in ("t5", "bart") else m, mask)
+
+    def math_attention(m):
+        ref = T.AutoModel.from_config(cfg, attn_implementation="eager").double().eval()
+        ref.load_state_dict(m.state_dict())
+        return ref
+
+    return model, call, x, math_attention
+
+
+def check_one(source: str, name: str) -> dict:
+    """One model: errors of both engines against the reference, as it is and in float64 throughout."""
+    import torch
+
+    import jvpreg
+
+    torch.manual_seed(0)
+    row = {"source": source, "model": name}
+    model, call, x, math_attention = (_timm if source == "timm" else _hf)(name)
+    row["input"] = "x".join(map(str, x.shape))
+    u = torch.randn_like(x)
+
+    def reference():
+        try:
+            return torch.func.jvp(call(model), (x,), (u,))[1], "torch.func.jvp"
+        except (NotImplementedError, RuntimeError):
+            return torch.func.jvp(call(math_attention(model)), (x,), (u,))[1], "torch.func.jvp, math attention"
+
+    t_ref, row["reference"] = reference()
+    fallbacks, capture_reason = set(), ""
+    results = {}
+    for engine in ("eager", "captured"):
+        f = call(model)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            start = time.perf_counter()
+            results[engine] = jvpreg.jvp(f, (x,), (u,), engine=engine)[1]
+            row[f"first_call_s_{engine}"] = round(time.perf_counter() - start, 3)
+        for w in seen:
+            text = str(w.message)
+            if text.startswith("jvpreg: no clone rule for "):
+                fallbacks.add(text[len("jvpreg: no clone rule for "):].split(";")[0])
+            elif "cannot be captured" in text:
+                capture_reason = text.split("because it cannot be captured: ")[-1].split(". Pass engine")[0]
+        row[f"error_{engine}"] = _rel(results[engine], t_ref)
+    with float64_throughout():
+        with exact_hardsigmoid():
+            t64, _ = reference()
+        for engine in ("eager", "captured"):
+            f = call(model)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                row[f"error64_{engine}"] = _rel(jvpreg.jvp(f, (x,), (u,), engine=engine)[1], t64)
+    row["fallback_ops"] = sorted(fallbacks)
+    row["not_captured"] = capture_reason
+    row["verdict"] = "exact" if max(row["error64_eager"], row["error64_captured"]) <= EXACT else "MISMATCH"
+    return row
+
+
+# --------------------------------------------------------------------------------------------- the sweep
+
+
+def run(models: list, timeout: float) -> list:
+    rows = []
+    for i, (source, name) in enumerate(models, 1):
+        start = time.time()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--one", source, name], capture_output=True, text=True,
+                                  timeout=timeout)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+            if lines:
+                row = json.loads(lines[-1])
+            else:
+                err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                row = {"source": source, "model": name, "verdict": "error", "error": err[:300]}
+        except subprocess.TimeoutExpired:
+            row = {"source": source, "model": name, "verdict": "error", "error": f"timed out after {timeout:.0f} s"}
+        rows.append(row)
+        print(f"[{i}/{len(models)}] {source} {name}: {row['verdict']} ({time.time() - start:.0f} s)", file=sys.stderr,
+              flush=True)
+    return rows
+
+
+def _e(v) -> str:
+    return "" if v is None else f"{v:.1e}"
+
+
+def to_markdown(rows: list, command: str) -> str:
+    import torch
+
+    counts = {}
+    for r in rows:
+        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+    lines = [
+        "# jvpreg.jvp on timm and Hugging Face architectures", "",
+        "Relative error `||t - t_ref|| / ||t_ref||` of the JVP in float64, random weights, eval mode; how the "
+        "input, the reference and the verdict are chosen: `scripts/model_zoo_sweep.py`. *as is*: the model as "
+        "written; *float64 throughout*: its float32 casts turned into no-ops and the reference's hardsigmoid "
+        "exact (the verdict: exact within 1e-10). *first call*: seconds, eager vs captured (the capture included).",
+        "", f"Command: `{command}`  ",
+        f"Machine: {platform.machine()}, {platform.system()}, torch {torch.__version__}, CPU.  ",
+        "Verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".", "",
+        "| source | model | input | reference | eager (as is) | captured (as is) | eager (f64) | captured (f64) "
+        "| verdict | first call eager / captured (s) | ops on the fallback | not captured because |",
+        "|---|---|---|---|---:|---:|---:|---:|---|---:|---|---|",
+    ]
+    for r in rows:
+        if r["verdict"] == "error":
+            lines.append(f"| {r['source']} | `{r['model']}` | | | | | | | error | | | {r.get('error', '')} |")
+            continue
+        lines.append(
+            f"| {r['source']} | `{r['model']}` | {r['input']} | {r['reference']} | {_e(r['error_eager'])} | "
+            f"{_e(r['error_captured'])} | {_e(r['error64_eager'])} | {_e(r['error64_captured'])} | {r['verdict']} | "
+            f"{r['first_call_s_eager']} / {r['first_call_s_captured']} | {', '.join(r['fallback_ops'])} | "
+            f"{r['not_captured']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--timm", default=",".join(TIMM), help="comma-separated timm model names ('' for none)")
+    ap.add_argument("--hf", default=",".join(HF), help=f"comma-separated Hugging Face configs from: {', '.join(HF)}")
+    ap.add_argument("--out", default="docs/model_zoo", help="output path without extension (.md and .json)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per model")
+    ap.add_argument("--one", nargs=2, metavar=("SOURCE", "NAME"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        warnings.filterwarnings("ignore")
+        import torch
+
+        torch.set_num_threads(1)
+        print(json.dumps(check_one(*args.one)))
+        return 0
+    unknown = [n for n in filter(None, args.hf.split(",")) if n not in HF]
+    if unknown:
+        ap.error(f"--hf: unknown config(s) {unknown}; choose from {', '.join(HF)}")
+    models = [("timm", n) for n in filter(None, args.timm.split(","))] + \
+             [("hf", n) for n in filter(None, args.hf.split(","))]
+    rows = run(models, args.timeout)
+    command = "python scripts/model_zoo_sweep.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(to_markdown(rows, command))
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    print(f"wrote {out.with_suffix('.md')}: " + ", ".join(f"{r['model']} {r['verdict']}" for r in rows
+                                                         if r["verdict"] != "exact"), file=sys.stderr)
+    return 0 if all(r["verdict"] == "exact" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""scripts/model_zoo_sweep.py: its checks run and judge, on one small model of each source (no downloads)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "model_zoo_sweep.py"
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    spec = importlib.util.spec_from_file_location("model_zoo_sweep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_float64_throughout_makes_float32_casts_no_ops_and_restores_them(zoo):
+    x = torch.randn(3, dtype=torch.float64)
+    with zoo.float64_throughout():
+        assert x.float() is x and x.to(torch.float32) is x
+        assert F.softmax(x, 0, dtype=torch.float32).dtype == torch.float64
+        assert x.to(torch.float16).dtype == torch.float16  # only float32 casts
+    assert x.float().dtype == torch.float32 and F.softmax(x, 0, dtype=torch.float32).dtype == torch.float32
+
+
+def test_exact_hardsigmoid_has_slope_one_sixth_in_float64(zoo):
+    x = torch.linspace(-2.5, 2.5, 11, dtype=torch.float64)
+    u = torch.randn_like(x)
+    _, t = torch.func.jvp(F.hardsigmoid, (x,), (u,))
+    assert not torch.equal(t, u / 6)  # torch's kernel: a float32 1/6
+    with zoo.exact_hardsigmoid():
+        _, t = torch.func.jvp(F.hardsigmoid, (x,), (u,))
+    torch.testing.assert_close(t, u / 6, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("source, name", [("timm", "test_resnet"), ("hf", "llama")])
+def test_check_one_finds_both_engines_exact(zoo, source, name):
+    pytest.importorskip("timm" if source == "timm" else "transformers")
+    row = zoo.check_one(source, name)
+    assert row["verdict"] == "exact", row
+    assert row["error64_eager"] <= zoo.EXACT and row["error64_captured"] <= zoo.EXACT
+    assert row["fallback_ops"] == [] and row["not_captured"] == ""
+    if name == "llama":  # its RMSNorm computes in float32: as written, both are float32-accurate only
+        assert 1e-9 < row["error_eager"] < 1e-6
+
+
+def test_markdown_lists_every_row(zoo):
+    rows = [{"source": "timm", "model": "m1", "input": "2x3", "reference": "torch.func.jvp", "error_eager": 1e-16,
+             "error_captured": 2e-16, "error64_eager": 1e-16, "error64_captured": 2e-16, "verdict": "exact",
+             "first_call_s_eager": 0.1, "first_call_s_captured": 1.0, "fallback_ops": ["torch.celu"],
+             "not_captured": "torch.celu has no clone rule"},
+            {"source": "hf", "model": "m2", "verdict": "error", "error": "timed out after 300 s"}]
+    md = zoo.to_markdown(rows, "python scripts/model_zoo_sweep.py")
+    assert "`m1`" in md and "torch.celu" in md and "timed out" in md and "error 1, exact 1" in md
