@@ -136,7 +136,7 @@ def _hf_config(name: str):
     dims = dict(hidden_size=_H, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS, intermediate_size=_FF)
     gqa = dict(dims, num_key_value_heads=2)
     text = {
-        "bert": (T.BertConfig, dims), "roberta": (T.RobertaConfig, dims), "electra": (T.ElectraConfig, dims),
+        "bert": (T.BertConfig, dims), "roberta": (T.RobertaConfig, dims), "electra": (T.ElectraConfig, dict(dims, embedding_size=_H)),
         "mpnet": (T.MPNetConfig, dims), "gpt_neox": (T.GPTNeoXConfig, dims), "phi": (T.PhiConfig, dims),
         "falcon": (T.FalconConfig, dict(hidden_size=_H, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS)),
         "distilbert": (T.DistilBertConfig, dict(dim=_H, n_layers=_LAYERS, n_heads=_HEADS, hidden_dim=_FF)),
@@ -207,7 +207,8 @@ def _hf(name: str):
         return _LastHidden(m.get_encoder() if name in ("t5", "bart") else m, mask)
 
     def math_attention(m):
-        ref = T.AutoModel.from_config(cfg, attn_implementation="eager").double().eval()
+        ref = T.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation="eager").double().eval()  # not
+        # the model's own config: from_config writes the attention implementation into it
         ref.load_state_dict(m.state_dict())
         return ref
 

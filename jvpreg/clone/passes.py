@@ -8,7 +8,8 @@ that computes the same tensors with the same gradients:
   holds no infinity (:func:`_drop_finite_fixes`): ``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` is
   ``z - a`` when ``a`` is finite (no input that may hold one, no op that makes one by design on the way;
   bounded ops such as ``tanh`` and ``softmax``, a variance's ``rsqrt(var + eps)`` and a block read back out of
-  its rule's ``stack`` count as finite);
+  its rule's ``stack`` count as finite; a cast to a narrower dtype does not: HF's ``finfo(float64).min`` mask turns
+  ``-inf`` in a float32 softmax);
 * ``op(h, expand(a))`` -> ``op(h, a)`` for pointwise ops (:func:`_drop_broadcast_expands`);
 * reshape and permute chains folded (:func:`_fold_reshapes`, :func:`_fold_permutes`); casts to the dtype a
   tensor already has dropped (:func:`_drop_noop_casts`);
@@ -551,7 +552,8 @@ def _numbers(args: Any):
 
 
 def _makes_infinity(node: torch.fx.Node) -> bool:
-    """``node`` may turn finite inputs into an infinity (by design, not by overflow)."""
+    """``node`` may turn finite inputs into an infinity (by design, not by overflow; a cast to a narrower dtype counts:
+    the values it cannot hold are ``finfo.min`` masks by design)."""
     target = node.target
     if target is operator.getitem:
         return False
@@ -563,6 +565,8 @@ def _makes_infinity(node: torch.fx.Node) -> bool:
     args = list(node.args) + list(node.kwargs.values())
     if any(not math.isfinite(v) for v in _numbers(args)):
         return True
+    if (name in _CASTS or _given_dtype(node)) and _narrows(node):
+        return True
     if name in ("rsqrt", "reciprocal") and _positive(node.args[0]):
         return False  # 1 / sqrt(var + eps), BatchNorm's and LayerNorm's invstd
     if name in ("div", "pow"):  # finite for a number divisor != 0, a number exponent >= 0
@@ -573,6 +577,34 @@ def _makes_infinity(node: torch.fx.Node) -> bool:
 
 
 _VARIANCES = ("var", "var_mean")
+_CASTS = frozenset("to _to_copy type_as copy".split())
+
+
+def _given_dtype(node: torch.fx.Node) -> bool:
+    """``node`` was given a ``dtype`` argument (``softmax(x, -1, dtype=torch.float32)``, ``sum(x, dtype=...)``)."""
+    if node.kwargs.get("dtype") is not None:
+        return True
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dtype":
+            return i < len(node.args) and node.args[i] is not None
+    return False
+
+
+def _max_finite(val: Any) -> Optional[float]:
+    """The largest finite magnitude of a floating tensor's dtype (``None`` for anything else)."""
+    if isinstance(val, torch.Tensor) and val.is_floating_point():
+        return float(torch.finfo(val.dtype).max)
+    return None
+
+
+def _narrows(node: torch.fx.Node) -> bool:
+    """A floating output of a smaller range than a floating input (a cast float64 -> float32, float32 -> float16): a
+    finite value beyond it becomes an infinity by design, not by chance: HF's ``finfo(float64).min`` attention mask
+    of a float64 model cast to float32 for its softmax is ``-inf`` there."""
+    val = node.meta.get("val")
+    outs = [m for m in map(_max_finite, val if isinstance(val, (list, tuple)) else [val]) if m is not None]
+    ins = [m for m in (_max_finite(n.meta.get("val")) for n in node.all_input_nodes) if m is not None]
+    return bool(outs and ins) and max(ins) > min(outs)
 
 
 def _positive(node: Any) -> bool:

@@ -158,3 +158,27 @@ def test_inf_buffer_and_inf_making_ops_keep_the_fix():
     made = AsModule(lambda self, x: torch.tanh(torch.log(x.abs() * (torch.arange(5) < 3).to(x.dtype))))
     jvps(made, x, u)  # log(0) = -inf in every block: tanh's fix stays (log's own input is finite)
     assert fixes(made) == [1]
+
+
+def float32_softmax_of_a_float64_mask(self, x):
+    """Hugging Face's eager attention in a float64 model (OPT, Phi, GPT-NeoX): a ``finfo(float64).min`` mask built in
+    the forward, the scores cast to float32 for the softmax, where the mask overflows to ``-inf``."""
+    mask = torch.zeros(5, 5, dtype=x.dtype).masked_fill(causal(5), torch.finfo(x.dtype).min)
+    scores = x @ x.transpose(-2, -1) + mask
+    return torch.softmax(scores, -1, dtype=torch.float32).to(x.dtype) @ x.tanh()
+
+
+@pytest.mark.parametrize("cast", ["dtype-argument", "to"])
+def test_a_narrowing_cast_keeps_the_fix(cast):
+    torch.manual_seed(0)
+    if cast == "to":
+        module = AsModule(lambda self, x: torch.softmax(
+            (x @ x.transpose(-2, -1)).masked_fill(causal(5), torch.finfo(D).min).to(torch.float32), -1).to(D))
+    else:
+        module = AsModule(float32_softmax_of_a_float64_mask)
+    x, u = torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D)
+    y, t = jvps(module, x, u)  # captured == eager, NaN for NaN
+    assert fixes(module)[0] >= 1  # the softmax's: its float32 primal holds -inf
+    assert torch.isfinite(t).all()
+    rt = torch.func.jvp(lambda z: module(z), (x,), (u,))[1]
+    torch.testing.assert_close(t, rt, rtol=1e-6, atol=1e-6)  # the softmax runs in float32
