@@ -44,7 +44,9 @@ def test_check_one_finds_both_engines_exact(zoo, source, name):
     row = zoo.check_one(source, name)
     assert row["verdict"] == "exact", row
     assert row["error64_eager"] <= zoo.EXACT and row["error64_captured"] <= zoo.EXACT
-    assert row["fallback_ops"] == [] and row["not_captured"] == ""
+    assert row["fallback_ops"] == []
+    if source == "timm":  # HF's SDPA mask preparation reads the mask's values: eager clone mode there
+        assert row["not_captured"] == ""
     if name == "llama":  # its RMSNorm computes in float32: as written, both are float32-accurate only
         assert 1e-9 < row["error_eager"] < 1e-6
 
