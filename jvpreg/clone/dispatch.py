@@ -326,7 +326,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 def _unit_scale(primals: tuple, tangents: tuple) -> torch.Tensor:
     """``c = 2^round(log2(||x|| / ||d||))`` (1 where either norm is 0 or not finite), a 0-d tensor: the fallback
     differentiates along ``c d`` and divides by ``c`` (exact: powers of two), so ``torch.func.jvp`` sees a tangent of the
-    primal's size, not the clone block's ``s u`` (``s`` ~ 2^20 rms(x) / rms(u)). Linear in exact arithmetic, some
+    primal's size, not the clone block's ``s u`` (``s`` ~ 2^40 rms(x) / rms(u)). Linear in exact arithmetic, some
     forward-mode formulas are not in floating point: ``matrix_exp``'s (the exponential of ``[[X, D], [0, X]]``, whose
     scaling-and-squaring follows ``||D||``) was 23% off in float32 along ``s u``."""
     with torch.no_grad():

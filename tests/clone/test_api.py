@@ -569,3 +569,22 @@ def test_inside_vmap_a_clear_error_points_to_batched_tangents_which_gives_the_sa
     _, got = jvpreg.jvp(model, (x,), (U,), batched_tangents=True)
     want = torch.func.vmap(lambda u: torch.func.jvp(model, (x,), (u,))[1])(U)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_float32_jvp_where_the_output_barely_moves_with_the_input(engine):
+    """``|f(x)| / |J u|`` ~ 3e10 (a random-init ConvMixer's is 1e11): the difference form's rounding
+    ``eps |y_0| / |s J u|`` stays below torch.func's own float32 error (with the former R = 2^20: 5e-4)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8)).double()
+    with torch.no_grad():
+        net[2].weight.mul_(1e-7)
+        net[2].bias.fill_(1e3)
+    x, u = torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    y, truth = torch.func.jvp(net, (x,), (u,))
+    assert y.norm() / truth.norm() > 1e10
+    net.float()
+    err = lambda t: float((t.double() - truth).norm() / truth.norm())  # noqa: E731
+    theirs = err(torch.func.jvp(net, (x.float(),), (u.float(),))[1])
+    ours = err(jvpreg.jvp(net, (x.float(),), (u.float(),), engine=engine)[1])
+    assert ours <= 10 * theirs + 1e-7, (ours, theirs)
