@@ -89,7 +89,7 @@ __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGE
 ENGINES = ("auto", "eager", "captured", "compiled")
 MAX_PROGRAMS = 16
 #: ``engine="auto"`` runs this many calls of a new call signature in eager clone mode before it captures one.
-#: A capture costs 10-170x an eager call (on this CPU 0.1-0.5 s for an MLP, ResNet-18 or a 4-layer ViT after the
+#: A capture costs 10-170x an eager call (on this CPU 0.1-0.8 s for an MLP, ResNet-18 or a 4-layer ViT after the
 #: process's first capture, which takes 0.5-1.5 s; 2-7 s for timm's CoaT or Inception-v4), which a signature
 #: called once (an analysis call, a notebook cell, a last partial batch) never earns back.
 EAGER_CALLS_BEFORE_CAPTURE = 1
