@@ -92,6 +92,32 @@ def_smooth([F.elu, maybe(torch._C._nn, "elu")], [F.elu_, maybe(torch._C._nn, "el
            kernel=_elu_kernel, doc="elu'(a) = 1 (a > 0) | alpha exp(a)")
 
 
+def _celu_primal(a, alpha=1.0, inplace=False):
+    return F.celu(a, alpha)
+
+
+def _celu_kernel(d, a, o, alpha=1.0, inplace=False):
+    return aten.elu_backward(d, alpha, 1, 1 / alpha, False, a)  # celu(x) = elu(x; alpha, input_scale = 1 / alpha)
+
+
+def_smooth([F.celu, torch.celu], [maybe(F, "celu_"), torch.celu_], primal=_celu_primal, kernel=_celu_kernel,
+           doc="celu'(a) = 1 (a > 0) | exp(a / alpha)")
+
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def _selu_primal(a, inplace=False):
+    return F.selu(a)
+
+
+def _selu_kernel(d, a, o, inplace=False):
+    return aten.elu_backward(d, _SELU_ALPHA, _SELU_SCALE, 1, False, a)  # selu(x) = scale elu(x; alpha)
+
+
+def_smooth([F.selu, torch.selu], [maybe(F, "selu_"), torch.selu_], primal=_selu_primal, kernel=_selu_kernel,
+           doc="selu'(a) = scale (a > 0) | scale alpha exp(a)")
+
+
 @register_rule(F.mish, maybe(torch._C._nn, "mish"), inplace=(maybe(torch._C._nn, "mish_"),))
 def mish(input, inplace=False):
     """mish'(a) = tanh(sp) + a sigmoid(a) (1 - tanh(sp)^2), sp = softplus(a)."""
