@@ -852,12 +852,30 @@ def _per_sample_pair(func, args, kwargs):
     return per_block(func, args, kwargs)
 
 
+def _pads_logical_dims_only(func, p: torch.Tensor, pad, rest: tuple) -> None:
+    """A pad longer than twice the logical dims would pad the block dim of the physical tensor: torch refuses it on
+    the logical tensor, so the primal block is called to raise torch's own error."""
+    if len(pad) > 2 * (p.dim() - 1):
+        func(p[0], pad, *rest)
+
+
+@register_op(torch.constant_pad_nd)
+def _constant_pad_nd(func, input, pad, value=0):
+    """``constant_pad_nd(x, pad, v)`` is affine in ``x`` (``v`` cancels in block differences): one call on the blocks."""
+    if not is_clone(input) or is_clone(value):
+        return fallback(func, (input, pad, value), {})
+    p = input.as_subclass(torch.Tensor)
+    _pads_logical_dims_only(func, p, pad, (value,))
+    return wrap(torch.constant_pad_nd(p, pad, value), state=input._jvp_state)
+
+
 @register_op(F.pad, torch._C._nn.pad if hasattr(torch._C._nn, "pad") else None)
 def _pad(func, input, pad, mode="constant", value=None):
     x = input
     if not is_clone(x) or is_clone(value):
         return fallback(func, (input, pad, mode, value), {})
     p = x.as_subclass(torch.Tensor)
+    _pads_logical_dims_only(func, p, pad, (mode, value))
     if mode == "constant":
         return wrap(F.pad(p, pad, mode, value), state=x._jvp_state)
     nsp = len(pad) // 2

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
 from torch import nn
 
 import jvpreg
@@ -539,3 +540,15 @@ def test_bf16_autocast_cpu(train):
     assert math.isfinite(rel_err(t, t_ref))
     assert rel_err(y, y_ref) <= 5e-2
     assert rel_err(t, t_ref) <= 5e-2, f"relative error {rel_err(t, t_ref):.2e}"
+
+
+@pytest.mark.parametrize("pad", [lambda z: F.pad(z, (1, 1, 1, 1)), lambda z: torch.constant_pad_nd(z, (1, 1, 1, 1))])
+def test_a_pad_longer_than_the_input_dims_raises_torchs_error(pad):
+    """On the physical ``(K, n)`` tensor a 4-entry pad of a 1-D input would pad the block dim too, and once returned a
+    ``(7,)`` output where torch refuses the call."""
+    x, u = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    with pytest.raises(RuntimeError) as theirs:
+        pad(x)
+    with pytest.raises(RuntimeError) as ours:
+        jvpreg.jvp(pad, (x,), (u,))
+    assert str(ours.value) == str(theirs.value)

@@ -4,7 +4,7 @@ A clone reports the primal's logical shape (``x.shape``, ``len(x)``, ``x.size(0)
 builds shapes, masks or constants from its input must behave as it does on the primal alone, and
 tensors that are not part of the batch (parameters, constants) must never be mistaken for it,
 whatever their shape. Each setting runs under ``fallback_mode("error")`` (``"fallback": True``
-allows the exact fallback for ops with no rule, e.g. ``std``) and is compared with
+allows the exact fallback for ops with no rule, e.g. ``cumprod``) and is compared with
 ``torch.func.jvp`` in float64 at 1e-10.
 """
 from __future__ import annotations
@@ -154,15 +154,19 @@ SHAPE_SETTINGS = [
     {"id": "hstack-vstack", "func": lambda x: (torch.hstack([x, const(B, 1)]), torch.vstack([const(1, 4), x]))},
     {"id": "pad-constant", "func": lambda x: F.pad(x, (1, 2), value=0.5)},
     {"id": "pad-reflect", "func": lambda x: F.pad(x, (1, 1), mode="reflect"), "input_shape": (B, 2, 4)},
+    {"id": "pad-every-dim", "func": lambda x: F.pad(x, (1, 0, 2, 1), value=-1.0)},
+    {"id": "constant_pad_nd", "func": lambda x: torch.constant_pad_nd(x, (1, 2, 0, -1), 0.5), "input_shape": (B, 2, 4)},
+    {"id": "constant_pad_nd-every-dim", "func": lambda x: torch.constant_pad_nd(x, (1, 1, 1, 1, 1, 1)),
+     "input_shape": (B, 2, 4)},
     {"id": "sum-dim0", "func": lambda x: x.sum(0)},
     {"id": "sum-scalar", "func": lambda x: x.sum()},
     {"id": "mean-scalar-times-2", "func": lambda x: x.mean() * 2},
     {"id": "mean-dims", "func": lambda x: x.mean((0, 1)), "input_shape": (B, 2, 4)},
     {"id": "sum-keepdim", "func": lambda x: x.sum(1, keepdim=True) * x},
     {"id": "cumsum-dim0", "func": lambda x: x.cumsum(0)},
-    {"id": "manual-batchnorm-std", "func": lambda x: (x - x.mean(0)) / x.std(0), "fallback": True},
-    {"id": "manual-batchnorm-var", "func": lambda x: (x - x.mean(0)) / (x.var(0, unbiased=False) + 1e-5).sqrt(),
-     "fallback": True},
+    {"id": "manual-batchnorm-std", "func": lambda x: (x - x.mean(0)) / x.std(0)},
+    {"id": "manual-batchnorm-var", "func": lambda x: (x - x.mean(0)) / (x.var(0, unbiased=False) + 1e-5).sqrt()},
+    {"id": "manual-cumprod", "func": lambda x: x.cumprod(1), "fallback": True},
     {"id": "split", "func": lambda x: torch.split(x, [1, 2], 0)},
     {"id": "split-dim1", "func": lambda x: x.split(3, 1)},
     {"id": "chunk", "func": lambda x: x.chunk(2, 1)},
