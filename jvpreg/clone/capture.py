@@ -80,11 +80,11 @@ from . import functions
 from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .replay import replay_function
-from .passes import optimize
+from .passes import largest_magnitude, optimize
 from .tensor import CloneTensor
 
-__all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGER_CALLS_BEFORE_CAPTURE", "call", "reset", "uncompiled",
-           "resolve_engine", "programs"]
+__all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGER_CALLS_BEFORE_CAPTURE", "call", "reset",
+           "uncompiled", "resolve_engine", "programs"]
 
 ENGINES = ("auto", "eager", "captured", "compiled")
 MAX_PROGRAMS = 16
@@ -474,7 +474,9 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     _check_constants(gm, out_meta["traced_storages"])
     _pin_grad_modes(gm.graph, torch.is_grad_enabled())
     finite = [_finite(leaves[i]) for i in clone_pos] + [_finite(slot_values[j]) for j in slot_pos]
-    optimize(gm, finite)
+    # parameters and buffers as captured (a finfo.min mask buffer); the call's data counts as 0
+    magnitudes = [0.0] * len(clone_pos) + [largest_magnitude(_phys(slot_values[j])) for j in slot_pos]
+    optimize(gm, finite, magnitudes)
     keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
     spec = out_meta["spec"]
     flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple

@@ -36,7 +36,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-__all__ = ["optimize"]
+__all__ = ["largest_magnitude", "optimize"]
 
 
 def _pure(target: Any) -> bool:
@@ -47,14 +47,16 @@ def _pure(target: Any) -> bool:
     return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
 
 
-def optimize(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool] = ()) -> None:
+def optimize(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool] = (),
+             input_magnitudes: Sequence[float] = ()) -> None:
     """Run every pass on a captured program, in place, then recompile it.
 
     Common-subexpression elimination first: the clone rules read block 0 of the same tensor many
     times (``h[0]``); the eager engine cannot share those reads across rules, the program can.
     Conservative: the table of known values is dropped at every mutating or non-aten node, and
     random ops are never merged. ``finite_inputs[i]``: placeholder ``i`` holds finite values only (its
-    primal block, for a clone), which :func:`_drop_finite_fixes` builds on.
+    primal block, for a clone), which :func:`_drop_finite_fixes` builds on; ``input_magnitudes[i]``: the largest
+    finite magnitude in placeholder ``i`` (parameters and buffers; 0 for the call's data).
     """
     graph = gm.graph
     seen: Dict[Any, torch.fx.Node] = {}
@@ -75,7 +77,7 @@ def optimize(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool] = ()) -> No
         else:
             node.replace_all_uses_with(prev)
             graph.erase_node(node)
-    _drop_finite_fixes(gm, finite_inputs)
+    _drop_finite_fixes(gm, finite_inputs, input_magnitudes)
     _drop_dead(graph)  # the fixes' isnan/eq/and: the next passes want single-use nodes
     _drop_broadcast_expands(graph)
     _fold_reshapes(graph)
@@ -552,8 +554,8 @@ def _numbers(args: Any):
 
 
 def _makes_infinity(node: torch.fx.Node) -> bool:
-    """``node`` may turn finite inputs into an infinity (by design, not by overflow; a cast to a narrower dtype counts:
-    the values it cannot hold are ``finfo.min`` masks by design)."""
+    """``node`` may turn finite inputs into an infinity (by design, not by overflow; a constant too large for its output
+    dtype is handled in :func:`_may_be_infinite`)."""
     target = node.target
     if target is operator.getitem:
         return False
@@ -565,8 +567,6 @@ def _makes_infinity(node: torch.fx.Node) -> bool:
     args = list(node.args) + list(node.kwargs.values())
     if any(not math.isfinite(v) for v in _numbers(args)):
         return True
-    if (name in _CASTS or _given_dtype(node)) and _narrows(node):
-        return True
     if name in ("rsqrt", "reciprocal") and _positive(node.args[0]):
         return False  # 1 / sqrt(var + eps), BatchNorm's and LayerNorm's invstd
     if name in ("div", "pow"):  # finite for a number divisor != 0, a number exponent >= 0
@@ -577,17 +577,6 @@ def _makes_infinity(node: torch.fx.Node) -> bool:
 
 
 _VARIANCES = ("var", "var_mean")
-_CASTS = frozenset("to _to_copy type_as copy".split())
-
-
-def _given_dtype(node: torch.fx.Node) -> bool:
-    """``node`` was given a ``dtype`` argument (``softmax(x, -1, dtype=torch.float32)``, ``sum(x, dtype=...)``)."""
-    if node.kwargs.get("dtype") is not None:
-        return True
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == "dtype":
-            return i < len(node.args) and node.args[i] is not None
-    return False
 
 
 def _max_finite(val: Any) -> Optional[float]:
@@ -597,14 +586,12 @@ def _max_finite(val: Any) -> Optional[float]:
     return None
 
 
-def _narrows(node: torch.fx.Node) -> bool:
-    """A floating output of a smaller range than a floating input (a cast float64 -> float32, float32 -> float16): a
-    finite value beyond it becomes an infinity by design, not by chance: HF's ``finfo(float64).min`` attention mask
-    of a float64 model cast to float32 for its softmax is ``-inf`` there."""
-    val = node.meta.get("val")
-    outs = [m for m in map(_max_finite, val if isinstance(val, (list, tuple)) else [val]) if m is not None]
-    ins = [m for m in (_max_finite(n.meta.get("val")) for n in node.all_input_nodes) if m is not None]
-    return bool(outs and ins) and max(ins) > min(outs)
+def largest_magnitude(t: torch.Tensor) -> float:
+    """The largest finite magnitude among the entries of a floating tensor (0 for anything else)."""
+    if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()):
+        return 0.0
+    a = t.detach().abs()
+    return float(torch.where(torch.isfinite(a), a, 0).max())
 
 
 def _positive(node: Any) -> bool:
@@ -627,29 +614,48 @@ def _floating(val: Any) -> bool:
     return True  # unknown: assume it can hold an infinity
 
 
-def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool]) -> Dict[torch.fx.Node, bool]:
+def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool],
+                     input_magnitudes: Sequence[float] = ()) -> Dict[torch.fx.Node, bool]:
     """For each node: can its value hold an infinity that does not come from overflow? ``{}`` when an
     in-place write could put one into a tensor already marked finite (the analysis then gives up; a write into
-    a tensor already counted as possibly infinite, such as BatchNorm's running statistics, changes nothing)."""
+    a tensor already counted as possibly infinite, such as BatchNorm's running statistics, changes nothing).
+
+    A constant too large for a dtype it reaches makes an infinity by design, not by chance: HF's ``finfo(float64).min``
+    attention mask of a float64 model, cast to float32 for the softmax, is ``-inf`` there. So the largest constant
+    magnitude that can flow into each node is carried along (numbers in the arguments, ``get_attr`` tensors,
+    ``input_magnitudes[i]`` for placeholder ``i``: parameters and buffers as captured; the call's data counts as 0, its
+    overflow being loud), and a floating output whose dtype cannot hold it counts as possibly infinite."""
     inf: Dict[torch.fx.Node, bool] = {}
+    big: Dict[torch.fx.Node, float] = {}
     i = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             inf[node] = not (i < len(finite_inputs) and finite_inputs[i])
+            big[node] = input_magnitudes[i] if i < len(input_magnitudes) else 0.0
             i += 1
         elif node.op == "get_attr":
             val = getattr(gm, node.target, None)
             inf[node] = not (isinstance(val, torch.Tensor) and bool(torch.isfinite(val).all()))
+            big[node] = largest_magnitude(val)
         elif node.op == "call_function":
             if "val" in node.meta and not _floating(node.meta["val"]):
-                inf[node] = False
+                inf[node], big[node] = False, 0.0
                 continue
             inputs = node.all_input_nodes
             part = _stacked_part(node)
             if part is not None:  # block i of stack([b_0, b_1, ...]): b_i's
-                inf[node] = inf.get(part, True)
+                inf[node], big[node] = inf.get(part, True), big.get(part, 0.0)
                 continue
-            inf[node] = not _bounded(node) and (_makes_infinity(node) or any(inf.get(n, True) for n in inputs))
+            if _bounded(node):
+                inf[node], big[node] = False, 0.0
+                continue
+            numbers = [abs(v) for v in _numbers(list(node.args) + list(node.kwargs.values()))
+                       if isinstance(v, float) and math.isfinite(v)]  # float constants: ints are sizes and dims
+            big[node] = max([big.get(n, 0.0) for n in inputs] + numbers, default=0.0)
+            val = node.meta.get("val")
+            ranges = [m for m in map(_max_finite, val if isinstance(val, (list, tuple)) else [val]) if m is not None]
+            too_big = bool(ranges) and big[node] > min(ranges)
+            inf[node] = too_big or _makes_infinity(node) or any(inf.get(n, True) for n in inputs)
             if inf[node] and any(not inf.get(w, True) for w in _written(node)):
                 return {}
     return inf
@@ -696,7 +702,8 @@ def _writes(node: torch.fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
-def _drop_finite_fixes(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool]) -> None:
+def _drop_finite_fixes(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool],
+                       input_magnitudes: Sequence[float] = ()) -> None:
     """``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` -> ``z - a`` where ``a`` holds no infinity.
 
     The fix turns ``inf - inf`` into 0 where every block holds the same infinity (a ``-inf`` mask);
@@ -712,7 +719,7 @@ def _drop_finite_fixes(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool]) 
         if match is None:
             continue
         if inf is None:
-            inf = _may_be_infinite(gm, finite_inputs)
+            inf = _may_be_infinite(gm, finite_inputs, input_magnitudes)
         d, a = match
         if inf and isinstance(a, torch.fx.Node) and not inf.get(a, True):
             node.replace_all_uses_with(d)

@@ -182,3 +182,25 @@ def test_a_narrowing_cast_keeps_the_fix(cast):
     assert torch.isfinite(t).all()
     rt = torch.func.jvp(lambda z: module(z), (x,), (u,))[1]
     torch.testing.assert_close(t, rt, rtol=1e-6, atol=1e-6)  # the softmax runs in float32
+
+
+def test_a_float64_mask_buffer_cast_to_float32_keeps_the_fix():
+    """The ``finfo(float64).min`` mask held in a buffer (its size read at capture), not made in the forward."""
+    torch.manual_seed(0)
+    mask = torch.zeros(5, 5, dtype=D).masked_fill(causal(5), torch.finfo(D).min)
+    module = AsModule(lambda self, x: torch.softmax((x @ x.transpose(-2, -1) + self.mask).float(), -1).to(D), mask)
+    x, u = torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D)
+    y, t = jvps(module, x, u)
+    assert torch.isfinite(t).all() and fixes(module)[0] >= 1
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_float32_program_keeps_no_fix(autocast):
+    """The float64 scale cast to float32 in every float32 program, and bfloat16 autocast's casts, narrow finite data,
+    not a constant too large for the narrower dtype: no fix stays (it costs 4 kernels per smooth op)."""
+    torch.manual_seed(0)
+    module = AsModule(lambda self, x: torch.softmax(torch.tanh(x) @ x.transpose(-2, -1), -1) @ F.gelu(x))
+    x, u = torch.randn(2, 5, 5), torch.randn(2, 5, 5)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        jvpreg.jvp(module, (x,), (u,), engine="captured")
+    assert fixes(module) == [0]
