@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_unflatten
 
 from . import tensor as tensor_module
-from .dispatch import BatchWriteError, _flat_clones, per_block, state_eval, fallback
-from .registry import maybe, register_handler, register_op, register_state
+from .dispatch import BatchWriteError, UnsupportedOpError, _flat_clones, per_block, state_eval, fallback
+from .registry import maybe, op_name, register_handler, register_op, register_state
 from .tensor import CloneTensor, any_clone, is_clone, phys_dim, tile, varies, wrap, wrap_tree
 
 T = torch.Tensor
@@ -857,6 +857,8 @@ def _pads_logical_dims_only(func, p: torch.Tensor, pad, rest: tuple) -> None:
     the logical tensor, so the primal block is called to raise torch's own error."""
     if len(pad) > 2 * (p.dim() - 1):
         func(p[0], pad, *rest)
+        raise UnsupportedOpError(f"jvpreg clone mode: {op_name(func)}: a pad of length {len(pad)} on a "
+                                 f"{p.dim() - 1}-d input would pad the block dim; pad at most 2 entries per dim.")
 
 
 @register_op(torch.constant_pad_nd)
