@@ -69,7 +69,7 @@ def float64_throughout():
     to, flt, softmax = torch.Tensor.to, torch.Tensor.float, F.softmax
 
     def to64(self, *args, **kwargs):
-        if self.dtype == torch.float64 and (torch.float32 in args or kwargs.get("dtype") is torch.float32):
+        if self.dtype == torch.float64 and (any(a is torch.float32 for a in args) or kwargs.get("dtype") is torch.float32):
             return self
         return to(self, *args, **kwargs)
 
