@@ -20,9 +20,13 @@ Choice of tracer. ``make_fx(pre_dispatch=True, tracing_mode="real")``:
 * *pre-dispatch* records ops above autograd (``aten.linear``, not ``t`` + ``addmm`` + views) and
   records grad-mode switches (``torch.no_grad`` inside a rule or model) in the graph;
 * *real* tensors run the eager clone forward for real while it is recorded, so every rule runs
-  unchanged; a read of a tensor's *value* by Python (``if h.sum() > 0``, ``.item()``) raises in the
-  tracer instead of being baked in, and that signature falls back to eager clone mode with one
-  :class:`JVPCaptureWarning` that says why.
+  unchanged. A read of a tensor's *value* by Python (``if mask.all()``, ``.item()``, ``.tolist()``) is
+  answered and *guarded* (:mod:`jvpreg.clone.guards`): the ops that compute the tensor read run before each
+  replay, which goes ahead only if they give the same values, and the shape of an op whose output size
+  depends on values (``nonzero``, ``x[mask]``) is guarded alike. A call with other values replays or records
+  another program of the same signature (up to :data:`MAX_VARIANTS`); a read that cannot be re-checked
+  (of a value the forward writes in place or draws at random, or one made inside a C++ op) makes that
+  signature fall back to eager clone mode with one :class:`JVPCaptureWarning` that says why.
 Dynamo was the alternative: it guards Python state generally, but it must trace the engine's own
 Python, and clone tensors report their primal's shape, which its fake-tensor inputs cannot express.
 The clone subclass stays invisible to the tracer: clone tensors made while capturing carry their
@@ -45,7 +49,8 @@ a 20-layer MLP, 200 µs for MobileNetV3-small (209 modules, 278 tensors); the gu
 it guards, so it grows with the module count, not with the batch.
 
 Limits (each falls back to eager clone mode with a warning, never a wrong answer):
-* Python control flow on tensor values; custom ``autograd.Function`` s on plain tensors under
+* Python reads of tensor values that cannot be re-checked (above), or that differ on every call; custom
+  ``autograd.Function`` s on plain tensors under
   autograd (their backward would not be replayed); modules with forward hooks other than
   weight/spectral norm's (a hook's Python side effects would not be replayed); FSDP-managed modules
   and DTensor parameters (their collectives belong to FSDP's hooks); a constant of the recorded program that
@@ -79,6 +84,7 @@ from torch.utils.hooks import RemovableHandle
 from . import functions
 from . import tensor as _tensor
 from .dispatch import _FALLBACK
+from .guards import Guard, ValueReads, dynamic_shapes, split
 from .replay import replay_function
 from .passes import largest_magnitude, optimize
 from .tensor import CloneTensor
@@ -88,6 +94,9 @@ __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGE
 
 ENGINES = ("auto", "eager", "captured", "compiled")
 MAX_PROGRAMS = 16
+#: Programs recorded for one call signature whose Python reads tensor values (one per set of values read,
+#: :mod:`jvpreg.clone.guards`); past this many the signature runs in eager clone mode.
+MAX_VARIANTS = 4
 #: ``engine="auto"`` runs this many calls of a new call signature in eager clone mode before it captures one.
 #: A capture costs 10-170x an eager call (on this CPU 0.1-0.8 s for an MLP, ResNet-18 or a 4-layer ViT after the
 #: process's first capture, which takes 0.5-1.5 s; 2-7 s for timm's CoaT or Inception-v4), which a signature
@@ -176,6 +185,8 @@ class _Program:
     reason: str = ""
     replay: Optional[Callable] = None   # gm's forward with cheap exact op calls (engine="captured")
     out_pairs: bool = False             # the output is a flat tuple of plain tensors (no rebuild needed)
+    guard: Optional[Guard] = None       # tensor values the recorded Python read: replay only where they recur
+    variants: List["_Program"] = field(default_factory=list)  # programs of the same signature for other values
 
 
 def _stateless_types() -> frozenset:
@@ -434,7 +445,8 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     def traced(*flat):
         tracer = get_proxy_mode().tracer
         _note_grad_mode(tracer)
-        with _setting(_tensor._CAPTURING, tracer):
+        reads = out_meta["reads"] = ValueReads(tracer)
+        with _setting(_tensor._CAPTURING, tracer), reads.active():
             new_leaves = list(leaves)
             for i, t in zip(clone_pos, flat[:n_in]):
                 old = leaves[i]
@@ -459,7 +471,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
             # one C-level copy: a weakref callback cannot run midway (no tracker in some torch: no check)
             refs = list(getattr(getattr(tracer, "tensor_tracker", None), "data", {}))
             out_meta["traced_storages"] = _storages(t for t in (r() for r in refs) if t is not None)
-            return tensors
+            return tensors + reads.tensors  # the values Python read: split off into the guard program
 
     # The trace runs the forward for real: it reads copies of the call's tensors (an in-place op on
     # an input must not reach the replay twice); parameters and buffers are restored afterwards.
@@ -472,17 +484,28 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
     _check_constants(gm, out_meta["traced_storages"])
+    reads = out_meta["reads"]
+    expected = [("value", v) for v in reads.values]
+    names = list(reads.names)
+    output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
+    for node, shape in dynamic_shapes(gm.graph):  # shapes the program holds: re-checked like the values read
+        output.args = (list(output.args[0]) + [node],)
+        expected.append(("shape", shape))
+        names.append(f"the shape of {node.target}")
     _pin_grad_modes(gm.graph, torch.is_grad_enabled())
     finite = [_finite(leaves[i]) for i in clone_pos] + [_finite(slot_values[j]) for j in slot_pos]
     # parameters and buffers as captured (a finfo.min mask buffer); the call's data counts as 0
     magnitudes = [0.0] * len(clone_pos) + [largest_magnitude(_phys(slot_values[j])) for j in slot_pos]
     optimize(gm, finite, magnitudes)
+    guard = None
+    if expected:
+        guard = Guard(replay_function(split(gm, len(expected), names)), expected, names)
     keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
     spec = out_meta["spec"]
     flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
     return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
                     out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]),
-                    attrs=_baked_attributes(gm, rec),
+                    attrs=_baked_attributes(gm, rec), guard=guard,
                     replay=None if _tensor._COMPILING[0] else replay_function(gm))  # compiled: never replayed
 
 
@@ -656,23 +679,28 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
             with functions.active(), uncompiled(module):
                 return fn(*args, **kwargs)
         rec.seen.pop(key, None)
+    inputs = None
+    if prog is not None and prog.guard is not None:  # Python read tensor values: a program recorded for these ones
+        inputs = _inputs(leaves, slot_values)
+        base, prog = prog, _matching(prog, inputs)
+        if prog is None:
+            if len(base.variants) + 1 >= MAX_VARIANTS:
+                names = ", ".join(sorted(set(base.guard.names)))
+                prog = rec.programs[key] = _Program(
+                    gm=None, reason=f"its Python code reads tensor values ({names}) that differed on {MAX_VARIANTS} "
+                                    "calls of the same signature (a program holds for one set of values)")
+            else:
+                prog = _capture(module, fn, in_spec, leaves, rec, slot_values, compiled)
+                base.variants.append(prog)  # one that cannot be captured: eager for the values no variant holds
     if prog is None:
         reason = _unsupported(module, rec)
         if not reason and len(rec.programs) >= MAX_PROGRAMS:
-            reason = f"more than {MAX_PROGRAMS} call signatures (shapes, modes) were seen; call " \
-                     "jvpreg.clone.capture.reset(module) if they are transient"
-        if not reason:
-            try:
-                with functions.active(), uncompiled(module), _setting(_tensor._COMPILING, compiled):
-                    prog = _trace(module, fn, in_spec, leaves, rec, slot_values)
-            except CaptureError as err:
-                reason = str(err)
-            except RuntimeError as err:
-                if "data-dependent" not in str(err) and "tracing tensor" not in str(err):
-                    raise
-                reason = "its Python control flow reads tensor values (data-dependent control flow)"
-        if prog is None:
+            prog = _Program(gm=None, reason=f"more than {MAX_PROGRAMS} call signatures (shapes, modes) were seen; "
+                                            "call jvpreg.clone.capture.reset(module) if they are transient")
+        elif reason:
             prog = _Program(gm=None, reason=reason)
+        else:
+            prog = _capture(module, fn, in_spec, leaves, rec, slot_values, compiled)
         rec.programs[key] = prog
     if prog.gm is None:
         _warn_eager(module, prog.reason)
@@ -684,5 +712,28 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
             prog.compiled = torch.compile(prog.gm, dynamic=False)
         run = prog.compiled
     with torch.set_grad_enabled(torch.is_grad_enabled()):  # restored even if the replay raises midway
-        outs = run(*_inputs(leaves, slot_values))
+        outs = run(*(_inputs(leaves, slot_values) if inputs is None else inputs))
     return _rebuild(prog, outs)
+
+
+def _capture(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec: _Record, slot_values: List[Any],
+             compiled: bool) -> _Program:
+    """Record a program for this call, or a program-less record that says why it cannot be captured."""
+    try:
+        with functions.active(), uncompiled(module), _setting(_tensor._COMPILING, compiled):
+            return _trace(module, fn, in_spec, leaves, rec, slot_values)
+    except CaptureError as err:
+        return _Program(gm=None, reason=str(err))
+    except RuntimeError as err:
+        if "data-dependent" not in str(err) and "tracing tensor" not in str(err):
+            raise
+        return _Program(gm=None, reason="its Python control flow reads tensor values inside an op (data-dependent "
+                                        "control flow the capture cannot re-check)")
+
+
+def _matching(base: _Program, inputs: List[torch.Tensor]) -> Optional[_Program]:
+    """The first of ``base`` and its variants whose guard holds for ``inputs`` (one with no guard always does)."""
+    for prog in (base, *base.variants):
+        if prog.guard is None or prog.guard.holds(inputs):
+            return prog
+    return None

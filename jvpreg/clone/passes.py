@@ -39,12 +39,26 @@ import torch
 __all__ = ["largest_magnitude", "optimize"]
 
 
+def _aten(name: str, overload: str = "default") -> Any:
+    packet = getattr(torch.ops.aten, name, None)
+    return getattr(packet, overload, None) if packet is not None else None
+
+
+#: Ops whose schema does not mark the running statistics they update in training mode as written
+#: (``native_batch_norm(..., Tensor? running_mean, Tensor? running_var, bool training, ...)``): op -> the
+#: positions of ``running_mean``, ``running_var`` and of the flag that says whether they are updated.
+_HIDDEN_WRITES = {op: (3, 4, 5) for op in (_aten("native_batch_norm"), _aten("batch_norm"), _aten("_batch_norm_impl_index"),
+                                            _aten("cudnn_batch_norm"), _aten("miopen_batch_norm"),
+                                            _aten("instance_norm")) if op is not None}
+
+
 def _pure(target: Any) -> bool:
     """An op whose result depends only on its arguments (no mutation, no randomness)."""
     if not isinstance(target, torch._ops.OpOverload):
         return target is operator.getitem
     schema = target._schema
-    return not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+    return (not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+            and target not in _HIDDEN_WRITES)
 
 
 def optimize(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool] = (),
@@ -662,8 +676,15 @@ def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool],
 
 
 def _written(node: torch.fx.Node):
-    """The argument nodes an aten op writes into (its schema's ``Tensor(a!)`` arguments)."""
+    """The argument nodes an aten op writes into (its schema's ``Tensor(a!)`` arguments, and the running
+    statistics of a batch norm in training mode: :data:`_HIDDEN_WRITES`)."""
     target = node.target
+    hidden = _HIDDEN_WRITES.get(target)
+    if hidden is not None:
+        *stats, flag = hidden
+        if len(node.args) <= flag or node.args[flag] is not False:
+            yield from (node.args[i] for i in stats if i < len(node.args) and isinstance(node.args[i], torch.fx.Node))
+        return
     if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
         return
     for i, arg in enumerate(target._schema.arguments):
@@ -699,7 +720,8 @@ def _nonfinite_fix(node: torch.fx.Node):
 
 def _writes(node: torch.fx.Node) -> bool:
     """An aten op that may write into its arguments (the graph's other calls are getitem and grad-mode switches)."""
-    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+    return isinstance(node.target, torch._ops.OpOverload) and (node.target._schema.is_mutable
+                                                               or node.target in _HIDDEN_WRITES)
 
 
 def _drop_finite_fixes(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool],

@@ -30,7 +30,7 @@ def randn(*shape, dtype=D):
 
 
 class Branchy(nn.Module):
-    """Python control flow on a tensor value: cannot be captured."""
+    """Python control flow on the value of a random draw: cannot be re-checked before a replay, so not captured."""
 
     def __init__(self):
         super().__init__()
@@ -38,7 +38,8 @@ class Branchy(nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
-        return torch.relu(h) if h.sum() > 0 else torch.tanh(h)
+        keep = torch.rand(()) < 2  # always true, but drawn at random: the guard cannot recompute it first
+        return torch.relu(h) if keep and h.sum() > 0 else torch.tanh(h)
 
 
 class Straight(torch.autograd.Function):
@@ -221,7 +222,7 @@ def test_auto_warns_about_an_uncapturable_model_when_it_would_capture(monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jvpreg.jvp(model, (x,), (u,))
-    with pytest.warns(JVPCaptureWarning, match="data-dependent control flow"):
+    with pytest.warns(JVPCaptureWarning, match="draws at random"):
         _, t = jvpreg.jvp(model, (x,), (u,))
     _, t_ref = jvpreg.jvp(model, (x,), (u,), engine="eager")
     torch.testing.assert_close(t, t_ref, rtol=0, atol=0)
@@ -258,7 +259,7 @@ def test_value_dependent_control_flow_falls_back_to_eager_with_one_warning(sign)
     x, u = randn(3, 4), randn(3, 4)
     with torch.no_grad():
         model.lin.bias.fill_(10.0 * sign)
-    with pytest.warns(JVPCaptureWarning, match="data-dependent control flow"):
+    with pytest.warns(JVPCaptureWarning, match="draws at random"):
         _, t = jvpreg.jvp(model, (x,), (u,))
     with warnings.catch_warnings():
         warnings.simplefilter("error", JVPCaptureWarning)

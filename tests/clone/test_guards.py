@@ -1,0 +1,278 @@
+"""Value guards (jvpreg.clone.guards): a captured program whose Python read tensor values replays only for those values.
+
+References: torch.func.jvp in float64, and the eager clone engine where torch.func cannot run the model."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import jvpreg
+from jvpreg.clone import JVPCaptureWarning, capture
+from jvpreg.clone.guards import same
+
+D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def capture_on_first_call(monkeypatch):
+    monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
+    capture._WARNED.clear()
+
+
+def randn(*shape):
+    return torch.randn(*shape, dtype=D)
+
+
+class ScaledBy(nn.Module):
+    """``x * c`` with ``c`` read into Python from the input's values (``c`` is a constant for autodiff)."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+
+    def forward(self, x):
+        return torch.tanh(x) * self.read(x.detach().sum())
+
+
+READS = {
+    "item": lambda t: t.item(),
+    "tolist": lambda t: t.tolist(),  # read memory directly: silently baked into the program before the guards
+    "numpy": lambda t: float(t.numpy()),
+    "float": float,
+    "format": lambda t: float(f"{t:.17g}"),
+}
+
+
+def _scaled_jvp(x, u):
+    """Explicit ``J u`` of :class:`ScaledBy`: ``(1 - tanh(x)^2) u c`` with ``c = sum(x)``."""
+    return (1 - torch.tanh(x) ** 2) * u * float(x.sum())
+
+
+def _program(model):
+    (prog,) = capture.programs(model).values()
+    return prog
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+def test_a_value_read_by_python_is_guarded_and_every_call_exact(read):
+    torch.manual_seed(0)
+    model = ScaledBy(READS[read])
+    x, u = randn(3, 4), randn(3, 4)
+    for _ in range(3):  # the same value: one program, replayed
+        _, t = jvpreg.jvp(model, (x,), (u,))
+        torch.testing.assert_close(t, _scaled_jvp(x, u), rtol=1e-12, atol=1e-12)
+    prog = _program(model)
+    assert prog.gm is not None and prog.guard is not None and not prog.variants
+    for _ in range(2):  # new values: a program recorded for each (up to MAX_VARIANTS), every answer exact
+        x = randn(3, 4)
+        _, t = jvpreg.jvp(model, (x,), (u,))
+        torch.testing.assert_close(t, _scaled_jvp(x, u), rtol=1e-12, atol=1e-12)
+    assert len(prog.variants) == 2
+
+
+def test_values_that_change_on_every_call_end_in_eager_mode_with_one_warning():
+    torch.manual_seed(0)
+    model = ScaledBy(READS["item"])
+    u = randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(capture.MAX_VARIANTS + 3):
+            x = randn(3, 4)
+            _, t = jvpreg.jvp(model, (x,), (u,))
+            torch.testing.assert_close(t, _scaled_jvp(x, u), rtol=1e-12, atol=1e-12)
+    messages = [str(w.message) for w in caught if issubclass(w.category, JVPCaptureWarning)]
+    assert len(messages) == 1 and "Tensor.item" in messages[0] and "differed" in messages[0]
+    assert _program(model).gm is None
+
+
+class BranchOnSign(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.relu(h) if h.sum() > 0 else torch.tanh(h)
+
+
+def test_a_branch_on_a_value_gets_one_program_per_branch_and_reuses_them():
+    torch.manual_seed(0)
+    model = BranchOnSign().to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    calls = []
+    for sign in (1.0, -1.0, 1.0, -1.0, 1.0):
+        with torch.no_grad():
+            model.lin.bias.fill_(10.0 * sign)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", JVPCaptureWarning)
+            _, t = jvpreg.jvp(model, (x,), (u,))
+        torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1], rtol=1e-12, atol=1e-12)
+        calls.append(len(_program(model).variants))
+    assert calls == [0, 1, 1, 1, 1]
+    prog = _program(model)
+    assert prog.guard.names == ("Tensor.__bool__",)
+
+
+class Positives(nn.Module):
+    """Rows picked by ``nonzero``: the program holds their count in the sizes of later ops."""
+
+    def forward(self, x):
+        idx = (x[:, 0] > 0).nonzero()[:, 0]
+        return torch.zeros(x.shape[0], x.shape[1], dtype=x.dtype).index_add(0, idx, torch.relu(x[idx]) * 2)
+
+
+def test_an_output_shape_that_depends_on_values_is_guarded():
+    torch.manual_seed(0)
+    model = Positives()
+    u = randn(5, 4)
+    x = -torch.rand(5, 4, dtype=D) - 0.1  # no positive row when captured: the recorded count is 0
+    for count in (0, 3, 1, 3, 0):
+        x = x.abs() * torch.tensor([1.0] * count + [-1.0] * (5 - count), dtype=D)[:, None]
+        y, t = jvpreg.jvp(model, (x,), (u,))
+        y_ref, t_ref = jvpreg.jvp(model, (x,), (u,), engine="eager")
+        assert torch.equal(y, y_ref) and torch.equal(t, t_ref)
+        torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1], rtol=1e-12, atol=1e-12)
+    prog = _program(model)
+    assert "the shape of aten.nonzero.default" in prog.guard.names
+    assert len(prog.variants) == 2  # counts 0, 3 and 1
+
+
+class MaskedMean(nn.Module):
+    """A padding mask in a module attribute, read by Python (as Hugging Face's SDPA mask preparation does)."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.mask = mask
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        if self.mask.all():
+            return h.mean(1)
+        m = self.mask[..., None].to(h.dtype)
+        return (h * m).sum(1) / m.sum(1)
+
+
+def test_a_constant_changed_in_place_is_re_checked():
+    torch.manual_seed(0)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    model = MaskedMean(mask).to(D)
+    x, u = randn(2, 5, 4), randn(2, 5, 4)
+    for pad in (0, 2, 0):
+        mask.fill_(True)
+        mask[1, 5 - pad:] = False
+        _, t = jvpreg.jvp(model, (x,), (u,))
+        torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1], rtol=1e-12, atol=1e-12)
+    assert len(_program(model).variants) == 1
+
+
+class ReadsRunningMean(nn.Module):
+    """A read of a BatchNorm buffer after the train-mode forward updated it in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        h = self.bn(x)
+        return torch.relu(h) if self.bn.running_mean.sum() > 0 else torch.tanh(h)
+
+
+def test_a_value_the_forward_writes_in_place_is_not_guarded_but_run_eagerly():
+    torch.manual_seed(0)
+    model = ReadsRunningMean().to(D).train()
+    reference = ReadsRunningMean().to(D).train()
+    x, u = randn(6, 4), randn(6, 4)
+    with pytest.warns(JVPCaptureWarning, match="changes in place"):
+        _, t = jvpreg.jvp(model, (x,), (u,))
+    _, t_ref = jvpreg.jvp(reference, (x,), (u,), engine="eager")
+    assert torch.equal(t, t_ref)
+    assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
+
+
+class BranchAfterBatchNorm(nn.Module):
+    """A read of the input's values next to a train-mode BatchNorm: the guard runs before the replay's update."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        h = self.bn(x)
+        return torch.relu(h) if x[0, 0] > 0 else torch.tanh(h)
+
+
+def test_running_statistics_are_updated_once_per_call_whichever_program_runs():
+    torch.manual_seed(0)
+    model = BranchAfterBatchNorm().to(D).train()
+    reference = BranchAfterBatchNorm().to(D).train()
+    u = randn(6, 4)
+    for sign in (1.0, -1.0, -1.0, 1.0):
+        x = randn(6, 4)
+        x[0, 0] = sign
+        _, t = jvpreg.jvp(model, (x,), (u,))
+        _, t_ref = jvpreg.jvp(reference, (x,), (u,), engine="eager")
+        assert torch.equal(t, t_ref)
+        assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
+        assert torch.equal(model.bn.running_var, reference.bn.running_var)
+    assert len(_program(model).variants) == 1
+
+
+def test_gradients_through_a_guarded_program_are_exact():
+    torch.manual_seed(0)
+    model = BranchOnSign().to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    for sign in (1.0, -1.0):
+        with torch.no_grad():
+            model.lin.bias.fill_(10.0 * sign)
+        grads = []
+        for engine in ("captured", "eager"):
+            model.zero_grad()
+            _, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+            t.pow(2).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for a, b in zip(*grads):
+            assert torch.equal(a, b)
+
+
+def test_same_compares_nan_as_equal_and_nothing_else():
+    assert same([1.0, float("nan")], [1.0, float("nan")])
+    assert not same([1.0, 2.0], [1.0, 2.5])
+    assert not same([1.0], [1.0, 1.0])
+    assert same(True, True) and not same(True, False)
+
+
+def test_hugging_face_padding_masks_are_captured_with_a_guard():
+    transformers = pytest.importorskip("transformers")
+    from jvpreg import clone
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32)
+    bert = transformers.BertModel(config).to(D).eval()
+
+    class LastHidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, x, mask):
+            return self.bert(inputs_embeds=x, attention_mask=mask).last_hidden_state
+
+    model = LastHidden()
+    for pad in (0, 2, 3, 0):
+        mask = torch.ones(3, 6, dtype=torch.long)
+        mask[1, 6 - pad:] = 0
+        x, u = randn(3, 6, 16), randn(1, 3, 6, 16)
+        outs = []
+        for engine in ("captured", "eager"):
+            (c,), s = clone.pack((x,), (u,))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", JVPCaptureWarning)
+                outs.append(clone.unpack(clone.call(model, (c, mask), engine=engine), s))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    prog = _program(model)
+    assert prog.gm is not None and len(prog.variants) == 1  # padded and unpadded batches
