@@ -36,9 +36,10 @@ from .passes import _drop_dead, _last_writes, _pure
 
 __all__ = ["Guard", "ValueReads", "dynamic_shapes", "split"]
 
-#: Tensor methods that hand a tensor's value to Python (``__array__`` and ``numpy`` read memory directly,
-#: without an op the tracer would see: before these guards, a ``tolist()`` was silently baked in).
-READS = ("item", "tolist", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__", "__complex__")
+#: Tensor methods that hand a tensor's value to Python (``tolist``, ``numpy``, ``__array__`` and ``__dlpack__`` read
+#: memory directly, without an op the tracer would see: before these guards, a ``tolist()`` was silently baked in).
+READS = ("item", "tolist", "numpy", "__array__", "__dlpack__", "__bool__", "__int__", "__float__", "__index__",
+         "__complex__")
 
 
 class ValueReads:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ READS = {
     "item": lambda t: t.item(),
     "tolist": lambda t: t.tolist(),  # read memory directly: silently baked into the program before the guards
     "numpy": lambda t: float(t.numpy()),
+    "dlpack": lambda t: float(np.from_dlpack(t)),
     "float": float,
     "format": lambda t: float(f"{t:.17g}"),
 }
