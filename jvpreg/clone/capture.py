@@ -469,8 +469,8 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                     kinds.append(("const", leaf))
             out_meta["spec"], out_meta["kinds"] = out_spec, tuple(kinds)
             # one C-level copy: a weakref callback cannot run midway (no tracker in some torch: no check)
-            refs = list(getattr(getattr(tracer, "tensor_tracker", None), "data", {}))
-            out_meta["traced_storages"] = _storages(t for t in (r() for r in refs) if t is not None)
+            tracked = list(getattr(getattr(tracer, "tensor_tracker", None), "data", {}).items())
+            out_meta["traced_storages"] = _storage_nodes((ref(), proxy) for ref, proxy in tracked)
             return tensors + reads.tensors  # the values Python read: split off into the guard program
 
     # The trace runs the forward for real: it reads copies of the call's tensors (an in-place op on
@@ -521,14 +521,41 @@ def _storages(tensors) -> set:
     return out
 
 
-def _check_constants(gm: torch.fx.GraphModule, traced: set) -> None:
-    """A tensor the tracer holds as a constant must not alias a tensor it traced: such an alias (made by a path
-    the tracer cannot see, e.g. ``as_subclass``) would replay the values of the capturing call forever."""
+def _storage_nodes(tracked) -> Dict[int, set]:
+    """Storage address -> the graph nodes of the traced tensors on it, for ``(tensor, proxy)`` pairs."""
+    out: Dict[int, set] = {}
+    for t, proxy in tracked:
+        if t is not None:
+            for ptr in _storages([t]):
+                out.setdefault(ptr, set()).add(getattr(getattr(proxy, "proxy", None), "node", None))
+    return out
+
+
+def _derived_from(node: Any, const: torch.fx.Node) -> bool:
+    """``node`` is ``const`` or computed from it by recorded ops."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is const:
+            return True
+        if isinstance(n, torch.fx.Node) and n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
+
+
+def _check_constants(gm: torch.fx.GraphModule, traced: Dict[int, set]) -> None:
+    """A tensor the tracer holds as a constant must not alias a tensor it traced, unless the traced tensor is
+    one the recorded ops made from the constant (``torch.as_tensor(c)``, a view of it): another alias (made by a
+    path the tracer cannot see, e.g. ``as_subclass``) would replay the values of the capturing call forever."""
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
         value = getattr(gm, node.target, None)
-        if isinstance(value, torch.Tensor) and _storages([value]) & traced:
+        if not isinstance(value, torch.Tensor):
+            continue
+        aliases = set().union(*(traced.get(ptr, set()) for ptr in _storages([value])))
+        if not all(_derived_from(n, node) for n in aliases):
             raise CaptureError(f"the program would hold {node.target} {tuple(value.shape)} as a constant, but it "
                                "shares memory with a tensor of the traced call (an alias made where the tracer "
                                "cannot see it)")

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
+from torch.overrides import TorchFunctionMode
 
 from . import tensor as _tensor
 from .passes import _drop_dead, _last_writes, _pure
@@ -61,7 +62,8 @@ class ValueReads:
         try:
             for name in READS:
                 setattr(torch.Tensor, name, self._reader(name, originals[name], originals["tolist"]))
-            yield self
+            with _ScalarArguments(self):
+                yield self
         finally:
             for name, value in saved.items():
                 if value is None:
@@ -98,6 +100,52 @@ class ValueReads:
 
         read.__name__ = name
         return read
+
+
+class _ScalarArguments(TorchFunctionMode):
+    """A one-element tensor passed where a number is expected (``torch.zeros(n, batch_sizes[0], h)`` in
+    ``nn.LSTM`` on a packed sequence) is read inside the C++ call, where :class:`ValueReads` cannot answer: the
+    tracer refuses it before the op runs. Such a call is made again with those tensors read first (and guarded)."""
+
+    def __init__(self, reads: ValueReads):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as err:
+            if "tracing tensor" not in str(err):
+                raise
+            first = err
+        for skip_first in (True, False):  # a size argument, else also the first one (``torch.arange(n)``)
+            converted = self._numbers(args[1:] if skip_first else args, kwargs)
+            if converted is None:
+                continue
+            new_args, new_kwargs = converted
+            try:
+                return func(*((args[0],) if skip_first and args else ()), *new_args, **new_kwargs)
+            except RuntimeError as err:
+                if "tracing tensor" not in str(err):
+                    raise
+        raise first
+
+    def _numbers(self, args: tuple, kwargs: dict) -> Optional[tuple]:
+        """``(args, kwargs)`` with every one-element traced tensor in them read as a Python number; ``None`` if
+        there is none."""
+        found = [False]
+
+        def convert(v):
+            if isinstance(v, (list, tuple)):
+                return type(v)(convert(e) for e in v)
+            if type(v) is torch.Tensor and v.numel() == 1 and self.reads._traced(v) is not None:
+                found[0] = True
+                return v.item() if v.is_floating_point() or v.is_complex() else int(v)
+            return v
+
+        out = (tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()})
+        return out if found[0] else None
 
 
 def same(a: Any, b: Any) -> bool:

@@ -203,17 +203,6 @@ def test_registered_rules_for_custom_op_and_function_are_used():
     torch.testing.assert_close(t, keep * U + X.exp() * U, rtol=1e-10, atol=1e-12)
 
 
-def test_packed_sequence_raises():
-    lstm = nn.LSTM(4, 5).to(D)
-
-    def f(x):
-        packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([3, 2]))
-        return lstm(packed)[0].data
-
-    with pytest.raises(jvpreg.UnsupportedOpError, match="pack_padded_sequence"):
-        jvpreg.jvp(f, (torch.randn(3, 2, 4, dtype=D),), (torch.randn(3, 2, 4, dtype=D),))
-
-
 # ----------------------------------------------------------------------------- (b) the exact fallback
 
 # "name": how the messages must name the op (test_error_hint_names_a_registrable_key pins the exact form)

@@ -11,7 +11,9 @@ from the primal block, products by the Leibniz rule):
 
 The Elman RNN, the LSTM and the GRU run these equations directly on the physical blocks, with hand-written
 tangents (:func:`_on_blocks`) when only the input carries tangents; with
-parameter tangents every op goes through its rule. Packed sequences are not unrolled: they raise a clear error.
+parameter tangents every op goes through its rule. Packed sequences (``torch.nn.utils.rnn``) run the same cell
+equations step by step on the rows each step holds (:func:`_run_packed`); packing and unpadding move rows, so every
+block is packed alike (:func:`pack_padded`, :func:`pad_packed`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch._C import DisableTorchFunctionSubclass
 
 from ..dispatch import UnsupportedOpError
-from ..registry import register_handler
+from ..registry import register_handler, register_op
 from ..tensor import compiling, is_clone, stack_blocks, wrap
 
 
@@ -342,13 +344,83 @@ def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, 
     return (wrap(output), wrap(hn), wrap(cn)) if mode == "lstm" else (wrap(output), wrap(hn))
 
 
+def _first_rows(state, rows: int):
+    """The first ``rows`` batch rows of a state (a tensor ``(B, H)`` or an LSTM's ``(h, c)``)."""
+    return tuple(t[:rows] for t in state) if isinstance(state, tuple) else state[:rows]
+
+
+def _cat_rows(parts: list):
+    """Concatenate states along the batch rows (tensors or ``(h, c)`` pairs)."""
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p, 0) for p in zip(*parts))
+    return torch.cat(parts, 0)
+
+
+def _run_packed(mode, data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """A recurrent op on a packed sequence (``data``: ``(N, F)``, the rows of step ``t`` being the first
+    ``batch_sizes[t]`` sequences, longest first), through the cell equations of :func:`_cell`: step ``t`` updates the
+    first ``batch_sizes[t]`` states; a sequence's final state is the one after its last step (rows leave the batch as
+    their sequences end, and join it in the same order when a direction runs backward)."""
+    sizes = batch_sizes.tolist()
+    starts = [0]
+    for b in sizes[:-1]:
+        starts.append(starts[-1] + b)
+    dirs = 2 if bidirectional else 1
+    per = len(params) // (num_layers * dirs)
+    layer_in, h_n, c_n = data, [], []
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            idx, w_ih, w_hh, b_ih, b_hh, w_hr = _weights(params, layer, d, dirs, per, has_biases, mode)
+            init = (hx[0][idx], hx[1][idx]) if mode == "lstm" else hx[idx]
+            x_proj = F.linear(layer_in, w_ih, b_ih)  # all rows at once
+            seq = [None] * len(sizes)
+            if d == 0:
+                state, done = _first_rows(init, sizes[0]), []
+                for t, (start, rows) in enumerate(zip(starts, sizes)):
+                    if rows < _batch_rows(state):  # the shortest sequences ended at step t - 1
+                        done.append(tuple(s[rows:] for s in state) if mode == "lstm" else state[rows:])
+                        state = _first_rows(state, rows)
+                    y, state = _cell(mode, x_proj[start:start + rows], state, w_hh, b_hh, w_hr)
+                    seq[t] = y
+                final = _cat_rows([state, *reversed(done)])
+            else:
+                state = _first_rows(init, sizes[-1])
+                for t in range(len(sizes) - 1, -1, -1):
+                    start, rows = starts[t], sizes[t]
+                    if rows > _batch_rows(state):  # sequences whose last step is t join, from their initial state
+                        state = _cat_rows([state, tuple(s[_batch_rows(state):rows] for s in init) if mode == "lstm"
+                                           else init[_batch_rows(state):rows]])
+                    y, state = _cell(mode, x_proj[start:start + rows], state, w_hh, b_hh, w_hr)
+                    seq[t] = y
+                final = state
+            outs.append(torch.cat(seq, 0))
+            if mode == "lstm":
+                h_n.append(final[0])
+                c_n.append(final[1])
+            else:
+                h_n.append(final)
+        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        if dropout and train and layer < num_layers - 1:
+            layer_in = F.dropout(layer_in, dropout, True)
+    hn = torch.stack(h_n, 0)
+    return (layer_in, hn, torch.stack(c_n, 0)) if mode == "lstm" else (layer_in, hn)
+
+
+def _batch_rows(state) -> int:
+    return (state[0] if isinstance(state, tuple) else state).shape[0]
+
+
+def _packed(args) -> bool:
+    """``torch.lstm(data, batch_sizes, hx, ...)``: the second argument is the packed sequence's integer batch sizes
+    (a padded call has the initial state there)."""
+    return len(args) > 1 and isinstance(args[1], torch.Tensor) and not args[1].is_floating_point()
+
+
 def _handler(mode):
     def handler(func, args, kwargs):
-        if len(args) < 3 or not isinstance(args[2], (list, tuple)):
-            raise UnsupportedOpError(
-                f"jvpreg clone mode: packed sequences in torch.{mode} are not supported; pad the batch "
-                "(torch.nn.utils.rnn.pad_packed_sequence) before the recurrent module."
-            )
+        if _packed(args):
+            return _run_packed(mode, *args, **kwargs)
         if is_clone(args[0]) and not kwargs and not any(is_clone(p) for p in args[2]):
             with DisableTorchFunctionSubclass():
                 return _on_blocks(mode, *args)
@@ -359,3 +431,25 @@ def _handler(mode):
 
 for _mode in ("rnn_relu", "rnn_tanh", "lstm", "gru"):
     register_handler(getattr(torch, _mode), reentrant=True)(_handler(_mode))
+
+
+@register_op(torch._pack_padded_sequence)
+def pack_padded(func, input, lengths, batch_first):
+    """``torch.nn.utils.rnn.pack_padded_sequence``: moves rows, the same in every block. The blocks ride in a
+    feature dim, ``(K, T, B, *F)`` -> ``(T, B, K, *F)``, so one call packs them all; the batch sizes are state."""
+    if not is_clone(input):
+        return func(input, lengths, batch_first)
+    with DisableTorchFunctionSubclass():
+        data, sizes = func(input.as_subclass(torch.Tensor).movedim(0, 2), lengths, batch_first)
+        return wrap(data.movedim(1, 0)), sizes
+
+
+@register_op(torch._pad_packed_sequence)
+def pad_packed(func, data, batch_sizes, batch_first, padding_value, total_length):
+    """``torch.nn.utils.rnn.pad_packed_sequence``: moves rows and pads with a constant, the same in every block."""
+    if not is_clone(data):
+        return func(data, batch_sizes, batch_first, padding_value, total_length)
+    with DisableTorchFunctionSubclass():
+        out, lengths = func(data.as_subclass(torch.Tensor).movedim(0, 1), batch_sizes, batch_first, padding_value,
+                            total_length)
+        return wrap(out.movedim(2, 0)), lengths
