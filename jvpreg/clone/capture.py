@@ -24,7 +24,8 @@ Choice of tracer. ``make_fx(pre_dispatch=True, tracing_mode="real")``:
   answered and *guarded* (:mod:`jvpreg.clone.guards`): the ops that compute the tensor read run before each
   replay, which goes ahead only if they give the same values, and the shape of an op whose output size
   depends on values (``nonzero``, ``x[mask]``) is guarded alike. A call with other values replays or records
-  another program of the same signature (up to :data:`MAX_VARIANTS`); a read that cannot be re-checked
+  another program of the same signature (up to :data:`MAX_VARIANTS`; ``engine="auto"`` runs values seen once
+  eagerly and records them when they recur, and stops guarding values that never do); a read that cannot be re-checked
   (of a value the forward writes in place or draws at random, or one made inside a C++ op) makes that
   signature fall back to eager clone mode with one :class:`JVPCaptureWarning` that says why.
 Dynamo was the alternative: it guards Python state generally, but it must trace the engine's own
@@ -95,8 +96,11 @@ __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGE
 ENGINES = ("auto", "eager", "captured", "compiled")
 MAX_PROGRAMS = 16
 #: Programs recorded for one call signature whose Python reads tensor values (one per set of values read,
-#: :mod:`jvpreg.clone.guards`); past this many the signature runs in eager clone mode.
+#: :mod:`jvpreg.clone.guards`); past this many the signature runs in eager clone mode. ``engine="auto"`` records
+#: one for values that no program holds only when they recur (:data:`EAGER_CALLS_BEFORE_CAPTURE`), and gives up
+#: after :data:`MAX_MISSED_VALUES` distinct values that did not (values that change on every call).
 MAX_VARIANTS = 4
+MAX_MISSED_VALUES = 16
 #: ``engine="auto"`` runs this many calls of a new call signature in eager clone mode before it captures one.
 #: A capture costs 10-170x an eager call (on this CPU 0.1-0.8 s for an MLP, ResNet-18 or a 4-layer ViT after the
 #: process's first capture, which takes 0.5-1.5 s; 2-7 s for timm's CoaT or Inception-v4), which a signature
@@ -187,6 +191,7 @@ class _Program:
     out_pairs: bool = False             # the output is a flat tuple of plain tensors (no rebuild needed)
     guard: Optional[Guard] = None       # tensor values the recorded Python read: replay only where they recur
     variants: List["_Program"] = field(default_factory=list)  # programs of the same signature for other values
+    misses: Dict[str, int] = field(default_factory=dict)  # engine="auto": values no program holds, and their calls
 
 
 def _stateless_types() -> frozenset:
@@ -709,14 +714,20 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     inputs = None
     if prog is not None and prog.guard is not None:  # Python read tensor values: a program recorded for these ones
         inputs = _inputs(leaves, slot_values)
-        base, prog = prog, _matching(prog, inputs)
+        base, (prog, seen) = prog, _matching(prog, inputs)
         if prog is None:
-            if len(base.variants) + 1 >= MAX_VARIANTS:
+            values = repr(seen)
+            if len(base.variants) + 1 >= MAX_VARIANTS or len(base.misses) >= MAX_MISSED_VALUES:
                 names = ", ".join(sorted(set(base.guard.names)))
                 prog = rec.programs[key] = _Program(
-                    gm=None, reason=f"its Python code reads tensor values ({names}) that differed on {MAX_VARIANTS} "
-                                    "calls of the same signature (a program holds for one set of values)")
+                    gm=None, reason=f"its Python code reads tensor values ({names}) that differ from call to call "
+                                    "(a program holds for one set of values)")
+            elif engine == "auto" and base.misses.get(values, 0) < EAGER_CALLS_BEFORE_CAPTURE:
+                base.misses[values] = base.misses.get(values, 0) + 1  # values seen once: eager, unless they recur
+                with functions.active(), uncompiled(module):
+                    return fn(*args, **kwargs)
             else:
+                base.misses.pop(values, None)
                 prog = _capture(module, fn, in_spec, leaves, rec, slot_values, compiled)
                 base.variants.append(prog)  # one that cannot be captured: eager for the values no variant holds
     if prog is None:
@@ -758,9 +769,16 @@ def _capture(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], r
                                         "control flow the capture cannot re-check)")
 
 
-def _matching(base: _Program, inputs: List[torch.Tensor]) -> Optional[_Program]:
-    """The first of ``base`` and its variants whose guard holds for ``inputs`` (one with no guard always does)."""
+def _matching(base: _Program, inputs: List[torch.Tensor]) -> Tuple[Optional[_Program], Any]:
+    """The first of ``base`` and its variants whose guard holds for ``inputs`` (one with no guard always does), or
+    ``None``; and what ``base``'s guard read."""
+    seen = None
     for prog in (base, *base.variants):
-        if prog.guard is None or prog.guard.holds(inputs):
-            return prog
-    return None
+        if prog.guard is None:
+            return prog, seen
+        got = prog.guard.read(inputs)
+        if prog is base:
+            seen = got
+        if prog.guard.matches(got):
+            return prog, seen
+    return None, seen

@@ -169,11 +169,18 @@ class Guard:
     def __init__(self, fn: Callable, expected: Sequence[Tuple[str, Any]], names: Sequence[str]):
         self.fn, self.expected, self.names = fn, tuple(expected), tuple(names)
 
-    def holds(self, inputs: Sequence[torch.Tensor]) -> bool:
+    def read(self, inputs: Sequence[torch.Tensor]) -> tuple:
+        """What the guard program gives for ``inputs``: per output its value (nested list) or its shape."""
         with torch.no_grad():
             outs = self.fn(*inputs)
-        return all(tuple(o.shape) == v if kind == "shape" else same(o.tolist(), v)
-                   for o, (kind, v) in zip(outs, self.expected))
+        return tuple(tuple(o.shape) if kind == "shape" else o.tolist() for o, (kind, _) in zip(outs, self.expected))
+
+    def matches(self, got: tuple) -> bool:
+        """``got`` (from :meth:`read`) is what the program was recorded for."""
+        return all(same(g, v) for g, (_, v) in zip(got, self.expected))
+
+    def holds(self, inputs: Sequence[torch.Tensor]) -> bool:
+        return self.matches(self.read(inputs))
 
 
 _ALWAYS_DYNAMIC = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default, torch.ops.aten._unique.default,
