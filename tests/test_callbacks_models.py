@@ -154,6 +154,58 @@ def test_bert_inputs_embeds_penalty_matches_torch_func():
     assert cb.last_value == pytest.approx(float(ju.pow(2).sum() / 4), rel=1e-8)
 
 
+def test_bert_with_padding_masks_is_captured_and_equals_the_eager_engine():
+    """The mask preparation reads the mask's values (``mask.all()``): guarded, one program for padded batches and
+    one for full ones, every penalty equal to the eager engine's."""
+    transformers = pytest.importorskip("transformers")
+    from jvpreg.clone import JVPCaptureWarning, capture
+
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+    class Text(pl.LightningModule):
+        def __init__(self, bert):
+            super().__init__()
+            self.bert, self.head = bert, nn.Linear(16, 3)
+
+        def training_step(self, batch, batch_idx):
+            emb = self.bert.get_input_embeddings()(batch["input_ids"])
+            out = self.bert(inputs_embeds=emb, attention_mask=batch["attention_mask"]).pooler_output
+            return F.cross_entropy(self.head(out), batch["labels"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for i in range(8):  # the first batch padded, the second full
+        mask = torch.ones(6, dtype=torch.long)
+        mask[6 - (i % 3 + 1) if i < 4 else 6:] = 0
+        items.append({"input_ids": torch.randint(0, 50, (6,), generator=g), "attention_mask": mask, "labels": i % 3})
+    values = {}
+    for engine in ("auto", "eager"):
+        model = Text(copy.deepcopy(bert))
+        seen = []
+
+        class Record(pl.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                seen.append(cb.last_value)
+
+        cb = JacobianRegularizer(1.0, seed=2, module="bert", input_key="inputs_embeds", output_key="pooler_output",
+                                 engine=engine)
+        loader = torch.utils.data.DataLoader(items, batch_size=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", JVPCaptureWarning)
+            make_trainer([cb, Record()], max_steps=6, max_epochs=3, precision="64-true").fit(model, loader)
+        values[engine] = seen
+        if engine == "auto":
+            progs = list(capture.programs(model.bert).values())
+            assert len(progs) == 1 and progs[0].gm is not None and len(progs[0].variants) == 1
+    assert len(values["auto"]) == 6 and values["auto"] == pytest.approx(values["eager"], rel=1e-12, abs=0)
+
+
 def test_hf_errors_name_the_fix():
     vit = tiny_vit()
     with pytest.raises(TypeError, match=r"the model returned a ImageClassifierOutput; pass output_key=<index, key or "
