@@ -11,7 +11,8 @@ favoured the 2B forward by 5-15% on the sub-millisecond models); times are media
 engine once, and a method that fails is recorded as failing (the run goes on).
 
 Suites: ``small`` (the four small-op models of the captured-clone issue), ``rnn`` (the paper's
-row-by-row Elman RNN, a 2-layer LSTM and a GRU on 8-step sequences), ``large`` (ResNet-50, VGG-16,
+row-by-row Elman RNN, a 2-layer LSTM and a GRU on 8-step sequences, and the LSTM and GRU on packed sequences of
+lengths 8, 6, 5 and 3), ``large`` (ResNet-50, VGG-16,
 DenseNet-121 at batch 8, 64x64) and ``gpu`` (ResNet-50, ViT-B/16, DenseNet-121 at batch 32, 224x224).
 """
 from __future__ import annotations
@@ -44,6 +45,16 @@ class _Recurrent(nn.Module):
 
     def forward(self, x):
         return self.head(self.rnn(x)[0][:, -1])
+
+
+class _PackedRecurrent(_Recurrent):
+    """:class:`_Recurrent` on a packed batch of sequences of lengths 8, 6, 5 and 3 (repeated for a doubled batch):
+    the final hidden state of each sequence, then the head."""
+
+    def forward(self, x):
+        lengths = torch.tensor([8, 6, 5, 3]).repeat(x.shape[0] // 4)
+        state = self.rnn(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))[1]
+        return self.head((state[0] if isinstance(state, tuple) else state)[-1])
 
 
 def _mlp():
@@ -97,6 +108,8 @@ SUITES: Dict[str, Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]]] = 
         "row_rnn": (_row_rnn, (4, 1, 28, 28)),
         "lstm2": (lambda: _Recurrent(nn.LSTM), (4, 8, 32)),
         "gru2": (lambda: _Recurrent(nn.GRU), (4, 8, 32)),
+        "lstm2_packed": (lambda: _PackedRecurrent(nn.LSTM), (4, 8, 32)),
+        "gru2_packed": (lambda: _PackedRecurrent(nn.GRU), (4, 8, 32)),
     },
     "norm": {  # GroupNorm: its statistics are per sample, so its rule has work to do in eval mode too
         "resnet18_gn": (_resnet18_gn, (4, 3, 32, 32)),

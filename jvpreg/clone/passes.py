@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -274,6 +274,9 @@ def _sink_unsqueezes(graph: torch.fx.Graph) -> None:
             continue
         pos = [i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.target is _UNSQUEEZE
                and tuple(a.args[1:]) == (0,) and len(a.users) == 1]
+        if len(pos) == 2:  # op(unsqueeze(c1, 0), unsqueeze(c2, 0)) -> unsqueeze(op(c1, c2), 0): broadcasting adds
+            _sink_both(graph, node, shape, shapes)  # the same leading 1
+            continue
         if len(pos) != 1:
             continue
         unsq = node.args[pos[0]]
@@ -301,6 +304,32 @@ def _sink_unsqueezes(graph: torch.fx.Graph) -> None:
 
 
 
+def _sink_both(graph: torch.fx.Graph, node: torch.fx.Node, shape: Callable, shapes: Dict[torch.fx.Node, Any]) -> None:
+    """``op(unsqueeze(c1, 0), unsqueeze(c2, 0))`` -> ``unsqueeze(op(c1, c2), 0)`` (see :func:`_sink_unsqueezes`)."""
+    a, b = node.args
+    s1, s2 = shape(a), shape(b)  # (1, *c.shape): known where the inner node's is not (made by an earlier pass)
+    if s1 is None or s2 is None:
+        return
+    s1, s2 = s1[1:], s2[1:]
+    try:
+        inner = tuple(torch.broadcast_shapes(s1, s2))
+    except RuntimeError:
+        return
+    if shape(node) != (1, *inner):
+        return
+    with graph.inserting_before(node):
+        new = graph.call_function(node.target, (a.args[0], b.args[0]))
+        out = graph.call_function(_UNSQUEEZE, (new, 0))
+    for n in (new, out):
+        n.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    shapes[new], shapes[out] = inner, (1, *inner)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    for u in (a, b):
+        if not u.users:
+            graph.erase_node(u)
+
+
 def _fake_val(target: Any, args: tuple) -> Any:
     """The fake value ``target(*args)`` would record (``None`` where an argument has none or the op fails)."""
     vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in args]
@@ -322,6 +351,8 @@ def _squeeze_single_blocks(graph: torch.fx.Graph) -> None:
     carries the unsqueeze to the rule's output stack."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _BINARY or node.kwargs or len(node.args) != 2:
+            continue
+        if node.meta.get("jvpreg_grad") is False:  # recorded without autograd: no backward to spare, two ops more
             continue
         out = _shape(node)
         if out is None or len(out) < 1 or out[0] != 1:

@@ -146,28 +146,46 @@ def _checked_bindings(graph: torch.fx.Graph) -> Dict[Node, Tuple[str, Any]]:
     with torch.no_grad():
         for node in graph.nodes:
             if node.op == "placeholder":
-                v = node.meta.get("val")
-                if isinstance(v, torch.Tensor):
-                    env[node] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+                env[node] = _meta_like(node)
                 continue
             if node.op != "call_function":
                 continue
             try:
-                args, kwargs = map_aggregate((node.args, node.kwargs), value)
-            except LookupError:  # an input the walk could not make
-                continue
-            if node.target is operator.getitem:
-                env[node] = args[0][args[1]] if isinstance(args[0], (tuple, list)) else None
-                continue
-            op = node.target
-            if not isinstance(op, torch._ops.OpOverload) or getattr(op, "_pyobj_dispatcher", None) is not None:
-                continue
-            if not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
-                continue  # a factory op: a device context would change what the binding makes
-            (kind, binding), env[node] = _check(op, tuple(args), dict(kwargs))
-            if kind is not None:
-                found[node] = (kind, binding)
+                _walk(node, value, env, found)
+            finally:
+                if env.get(node) is None:  # an op meta tensors cannot run (one that reads its inputs' values):
+                    env[node] = _meta_like(node)  # its recorded shapes, so the nodes after it are checked too
     return found
+
+
+def _walk(node: Node, value: Callable, env: Dict[Node, Any], found: Dict[Node, Tuple[str, Any]]) -> None:
+    """Run one node on meta tensors, recording its binding in ``found`` if the check passes."""
+    try:
+        args, kwargs = map_aggregate((node.args, node.kwargs), value)
+    except LookupError:  # an input the walk could not make
+        return
+    if node.target is operator.getitem:
+        env[node] = args[0][args[1]] if isinstance(args[0], (tuple, list)) else None
+        return
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload) or getattr(op, "_pyobj_dispatcher", None) is not None:
+        return
+    if not any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+        return  # a factory op: a device context would change what the binding makes
+    (kind, binding), env[node] = _check(op, tuple(args), dict(kwargs))
+    if kind is not None:
+        found[node] = (kind, binding)
+
+
+def _meta_like(node: Node) -> Any:
+    """Meta tensors shaped like the value ``node`` recorded (``None`` where it recorded none)."""
+    def meta(v):
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return v
+
+    v = node.meta.get("val")
+    return None if v is None else tree_map(meta, v)
 
 
 def _stand_in(binding: Callable, stubs: Dict[Callable, Any]) -> Callable:

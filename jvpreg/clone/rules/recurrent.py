@@ -411,6 +411,66 @@ def _batch_rows(state) -> int:
     return (state[0] if isinstance(state, tuple) else state).shape[0]
 
 
+def _packed_on_blocks(mode, data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """:func:`_run_packed` on the physical blocks (``data``: ``(K, N, F)``), each step through the hand-written
+    tangents of :func:`_lstm_step`, :func:`_gru_step` and :func:`_elman_step`, as :func:`_on_blocks` does."""
+    x = data.as_subclass(torch.Tensor)
+    k = x.shape[0]
+    states = hx if mode == "lstm" else (hx,)
+    init = [st.as_subclass(torch.Tensor) if is_clone(st) else st.expand(k, *st.shape) for st in states]
+    sizes = batch_sizes.tolist()
+    starts = [0]
+    for b in sizes[:-1]:
+        starts.append(starts[-1] + b)
+    dirs = 2 if bidirectional else 1
+    per = len(params) // (num_layers * dirs)
+    layer_in, h_n, c_n = x, [], []
+
+    def step(xp_t, state, w_hh, b_hh, w_hr):
+        if mode == "lstm":
+            return _lstm_step(xp_t + F.linear(state[0], w_hh, b_hh), state[1], w_hr)
+        if mode == "gru":
+            return (_gru_step(xp_t, state[0], w_hh, b_hh),)
+        return (_elman_step(xp_t + F.linear(state[0], w_hh, b_hh), mode),)
+
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            idx, w_ih, w_hh, b_ih, b_hh, w_hr = _weights(params, layer, d, dirs, per, has_biases, mode)
+            first = [st[:, idx] for st in init]                                  # (K, B, H) each
+            xp = F.linear(layer_in, w_ih, b_ih)                                  # (K, N, G): every row at once
+            seq = [None] * len(sizes)
+            if d == 0:
+                state, done = [st[:, :sizes[0]] for st in first], []
+                for t, (start, rows) in enumerate(zip(starts, sizes)):
+                    if rows < state[0].shape[1]:  # the shortest sequences ended at step t - 1
+                        done.append([st[:, rows:] for st in state])
+                        state = [st[:, :rows] for st in state]
+                    state = step(xp[:, start:start + rows], state, w_hh, b_hh, w_hr)
+                    seq[t] = state[0]
+                final = [torch.cat(parts, 1) for parts in zip(state, *reversed(done))]
+            else:
+                state = [st[:, :sizes[-1]] for st in first]
+                for t in range(len(sizes) - 1, -1, -1):
+                    start, rows = starts[t], sizes[t]
+                    have = state[0].shape[1]
+                    if rows > have:  # sequences whose last step is t join, from their initial state
+                        state = [torch.cat([st, f[:, have:rows]], 1) for st, f in zip(state, first)]
+                    state = step(xp[:, start:start + rows], state, w_hh, b_hh, w_hr)
+                    seq[t] = state[0]
+                final = list(state)
+            outs.append(torch.cat(seq, 1))
+            h_n.append(final[0])
+            if mode == "lstm":
+                c_n.append(final[1])
+        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+        if dropout and train and layer < num_layers - 1:
+            keep = F.dropout(torch.ones_like(layer_in[0]), dropout, True)
+            layer_in = layer_in * keep
+    out, hn = wrap(layer_in), wrap(torch.stack(h_n, 1))
+    return (out, hn, wrap(torch.stack(c_n, 1))) if mode == "lstm" else (out, hn)
+
+
 def _packed(args) -> bool:
     """``torch.lstm(data, batch_sizes, hx, ...)``: the second argument is the packed sequence's integer batch sizes
     (a padded call has the initial state there)."""
@@ -420,6 +480,9 @@ def _packed(args) -> bool:
 def _handler(mode):
     def handler(func, args, kwargs):
         if _packed(args):
+            if is_clone(args[0]) and not kwargs and not any(is_clone(p) for p in args[3]):
+                with DisableTorchFunctionSubclass():
+                    return _packed_on_blocks(mode, *args)
             return _run_packed(mode, *args, **kwargs)
         if is_clone(args[0]) and not kwargs and not any(is_clone(p) for p in args[2]):
             with DisableTorchFunctionSubclass():
