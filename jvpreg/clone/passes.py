@@ -292,16 +292,22 @@ def _sink_unsqueezes(graph: torch.fx.Graph) -> None:
             continue
         args = list(node.args)
         args[pos[0]] = c
-        with graph.inserting_before(node):
-            new = graph.call_function(node.target, tuple(args))
-            out = graph.call_function(_UNSQUEEZE, (new, 0))
-        for n in (new, out):
-            n.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        shapes[new], shapes[out] = inner, (1, *inner)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        _unsqueezed_op(graph, node, tuple(args), inner, shapes)
         graph.erase_node(unsq)
 
+
+
+def _unsqueezed_op(graph: torch.fx.Graph, node: torch.fx.Node, args: tuple, inner: tuple,
+                   shapes: Dict[torch.fx.Node, Any]) -> None:
+    """Replace ``node`` by ``unsqueeze(node.target(*args), 0)``, whose inner result has shape ``inner``."""
+    with graph.inserting_before(node):
+        new = graph.call_function(node.target, args)
+        out = graph.call_function(_UNSQUEEZE, (new, 0))
+    for n in (new, out):
+        n.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    shapes[new], shapes[out] = inner, (1, *inner)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
 
 
 def _sink_both(graph: torch.fx.Graph, node: torch.fx.Node, shape: Callable, shapes: Dict[torch.fx.Node, Any]) -> None:
@@ -317,14 +323,7 @@ def _sink_both(graph: torch.fx.Graph, node: torch.fx.Node, shape: Callable, shap
         return
     if shape(node) != (1, *inner):
         return
-    with graph.inserting_before(node):
-        new = graph.call_function(node.target, (a.args[0], b.args[0]))
-        out = graph.call_function(_UNSQUEEZE, (new, 0))
-    for n in (new, out):
-        n.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-    shapes[new], shapes[out] = inner, (1, *inner)
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
+    _unsqueezed_op(graph, node, (a.args[0], b.args[0]), inner, shapes)
     for u in (a, b):
         if not u.users:
             graph.erase_node(u)

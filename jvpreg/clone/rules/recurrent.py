@@ -356,15 +356,21 @@ def _cat_rows(parts: list):
     return torch.cat(parts, 0)
 
 
+def _steps(batch_sizes: torch.Tensor) -> tuple:
+    """``(sizes, starts)``: the rows of step ``t`` of a packed sequence are ``starts[t] : starts[t] + sizes[t]``."""
+    sizes = batch_sizes.tolist()
+    starts = [0]
+    for b in sizes[:-1]:
+        starts.append(starts[-1] + b)
+    return sizes, starts
+
+
 def _run_packed(mode, data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
     """A recurrent op on a packed sequence (``data``: ``(N, F)``, the rows of step ``t`` being the first
     ``batch_sizes[t]`` sequences, longest first), through the cell equations of :func:`_cell`: step ``t`` updates the
     first ``batch_sizes[t]`` states; a sequence's final state is the one after its last step (rows leave the batch as
     their sequences end, and join it in the same order when a direction runs backward)."""
-    sizes = batch_sizes.tolist()
-    starts = [0]
-    for b in sizes[:-1]:
-        starts.append(starts[-1] + b)
+    sizes, starts = _steps(batch_sizes)
     dirs = 2 if bidirectional else 1
     per = len(params) // (num_layers * dirs)
     layer_in, h_n, c_n = data, [], []
@@ -418,10 +424,7 @@ def _packed_on_blocks(mode, data, batch_sizes, hx, params, has_biases, num_layer
     k = x.shape[0]
     states = hx if mode == "lstm" else (hx,)
     init = [st.as_subclass(torch.Tensor) if is_clone(st) else st.expand(k, *st.shape) for st in states]
-    sizes = batch_sizes.tolist()
-    starts = [0]
-    for b in sizes[:-1]:
-        starts.append(starts[-1] + b)
+    sizes, starts = _steps(batch_sizes)
     dirs = 2 if bidirectional else 1
     per = len(params) // (num_layers * dirs)
     layer_in, h_n, c_n = x, [], []
