@@ -340,6 +340,31 @@ def test_one_tangent_block_against_the_primal_is_read_without_broadcasting():
     assert counted[aten.sum.dim_IntList] == 1  # w's own reduction only
 
 
+def test_without_autograd_one_tangent_block_keeps_its_broadcast():
+    """Recorded without autograd there is no backward to spare: no squeeze and unsqueeze around each op."""
+    def fn(z, w):
+        h = z * w
+        return (h[1:] - h[0]) * h[0]
+
+    z, w = torch.randn(2, 3, 4, dtype=D), torch.randn(4, dtype=D)
+    gm = _graded(fn, z, w, tracing_mode="fake")
+    for node in gm.graph.nodes:
+        node.meta["jvpreg_grad"] = False
+    passes.optimize(gm)
+    assert ops(gm)[aten.squeeze.dim] == 0
+    with torch.no_grad():
+        torch.testing.assert_close(gm(z, w), fn(z, w), rtol=0, atol=0)
+
+
+def test_an_op_of_two_unsqueezed_blocks_is_unsqueezed_once():
+    def fn(a, b):
+        return (a.unsqueeze(0) * 2.0) + (b.unsqueeze(0) - 1.0)
+
+    a, b = torch.randn(3, 4, dtype=D), torch.randn(4, dtype=D)
+    before, after = check(fn, a, b)
+    assert after[aten.unsqueeze.default] == 1 and before[aten.unsqueeze.default] == 2
+
+
 def test_every_entry_selected_becomes_one_unbind():
     """``p[:, 0], p[:, 1], p[:, 2]`` (attention's q, k, v) -> ``unbind(p, 1)``: one backward stack instead of three
     zero-filled full-size gradients and their sum."""
