@@ -125,3 +125,20 @@ def test_batches_of_other_lengths_replay_or_record_their_own_program():
         torch.testing.assert_close(t, reverse_jvp(lambda z: model(z, lengths), x, u[0]), rtol=1e-10, atol=1e-12)
     (prog,) = capture.programs(model).values()
     assert prog.gm is not None and len(prog.variants) == 1
+
+
+@pytest.mark.parametrize("with_parameter_tangents", [False, True])
+def test_dropout_between_layers_uses_one_mask_for_every_block(with_parameter_tangents):
+    """Train mode: with tangents (u, 2u) in one pass the second JVP is exactly twice the first (one mask for the
+    blocks), on the per-block path and on the op-by-op one (taken when a parameter carries a tangent)."""
+    torch.manual_seed(0)
+    model = PackedRNN(nn.LSTM, torch.tensor([5, 3, 2]), False, num_layers=2, dropout=0.5).to(D).train()
+    x, u = torch.randn(5, 3, 3, dtype=D), torch.randn(5, 3, 3, dtype=D)
+    torch.manual_seed(1)
+    if with_parameter_tangents:
+        w = torch.randn_like(model.rnn.weight_hh_l1)
+        _, t = jvpreg.jvp_params(model, (x,), {"rnn.weight_hh_l1": torch.stack([w, 2 * w])}, batched_tangents=True)
+    else:
+        _, t = jvpreg.jvp(model, (x,), (torch.stack([u, 2 * u]),), batched_tangents=True, engine="eager")
+    torch.testing.assert_close(t[1], 2 * t[0], rtol=1e-12, atol=1e-12)
+    assert t[0].abs().sum() > 0

@@ -344,18 +344,6 @@ def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, 
     return (wrap(output), wrap(hn), wrap(cn)) if mode == "lstm" else (wrap(output), wrap(hn))
 
 
-def _first_rows(state, rows: int):
-    """The first ``rows`` batch rows of a state (a tensor ``(B, H)`` or an LSTM's ``(h, c)``)."""
-    return tuple(t[:rows] for t in state) if isinstance(state, tuple) else state[:rows]
-
-
-def _cat_rows(parts: list):
-    """Concatenate states along the batch rows (tensors or ``(h, c)`` pairs)."""
-    if isinstance(parts[0], tuple):
-        return tuple(torch.cat(p, 0) for p in zip(*parts))
-    return torch.cat(parts, 0)
-
-
 def _steps(batch_sizes: torch.Tensor) -> tuple:
     """``(sizes, starts)``: the rows of step ``t`` of a packed sequence are ``starts[t] : starts[t] + sizes[t]``."""
     sizes = batch_sizes.tolist()
@@ -365,56 +353,71 @@ def _steps(batch_sizes: torch.Tensor) -> tuple:
     return sizes, starts
 
 
-def _run_packed(mode, data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
-    """A recurrent op on a packed sequence (``data``: ``(N, F)``, the rows of step ``t`` being the first
-    ``batch_sizes[t]`` sequences, longest first), through the cell equations of :func:`_cell`: step ``t`` updates the
-    first ``batch_sizes[t]`` states; a sequence's final state is the one after its last step (rows leave the batch as
-    their sequences end, and join it in the same order when a direction runs backward)."""
+def _packed_layers(mode, x, initial, batch_sizes, params, has_biases, num_layers, dropout, train, bidirectional,
+                   step, dim, drop):
+    """The layers and directions of a recurrent op on a packed sequence, whose rows run along ``dim`` of ``x`` (the
+    rows of step ``t`` being the first ``batch_sizes[t]`` sequences, longest first). ``initial(idx)``: the initial
+    states of layer-direction ``idx`` (a list, the hidden state first); ``step(x_rows, states, w_hh, b_hh, w_hr)``:
+    the states after one step (the output first); ``drop``: dropout between layers. Step ``t`` updates the first
+    ``batch_sizes[t]`` states; a sequence's final state is the one after its last step (rows leave the batch as
+    their sequences end, and join it in the same order, from their initial states, when a direction runs
+    backward). Returns the last layer's rows and the final states, a list per layer-direction."""
     sizes, starts = _steps(batch_sizes)
+
+    def rows(t, a, b):
+        return t[(slice(None),) * dim + (slice(a, b),)]
+
     dirs = 2 if bidirectional else 1
     per = len(params) // (num_layers * dirs)
-    layer_in, h_n, c_n = data, [], []
+    finals = []
     for layer in range(num_layers):
         outs = []
         for d in range(dirs):
             idx, w_ih, w_hh, b_ih, b_hh, w_hr = _weights(params, layer, d, dirs, per, has_biases, mode)
-            init = (hx[0][idx], hx[1][idx]) if mode == "lstm" else hx[idx]
-            x_proj = F.linear(layer_in, w_ih, b_ih)  # all rows at once
+            first = initial(idx)
+            xp = F.linear(x, w_ih, b_ih)  # every row at once
             seq = [None] * len(sizes)
             if d == 0:
-                state, done = _first_rows(init, sizes[0]), []
-                for t, (start, rows) in enumerate(zip(starts, sizes)):
-                    if rows < _batch_rows(state):  # the shortest sequences ended at step t - 1
-                        done.append(tuple(s[rows:] for s in state) if mode == "lstm" else state[rows:])
-                        state = _first_rows(state, rows)
-                    y, state = _cell(mode, x_proj[start:start + rows], state, w_hh, b_hh, w_hr)
-                    seq[t] = y
-                final = _cat_rows([state, *reversed(done)])
+                state, done = [rows(st, 0, sizes[0]) for st in first], []
+                for t, (start, n) in enumerate(zip(starts, sizes)):
+                    have = state[0].shape[dim]
+                    if n < have:  # the shortest sequences ended at step t - 1
+                        done.append([rows(st, n, have) for st in state])
+                        state = [rows(st, 0, n) for st in state]
+                    state = step(rows(xp, start, start + n), state, w_hh, b_hh, w_hr)
+                    seq[t] = state[0]
+                finals.append([torch.cat(parts, dim) for parts in zip(state, *reversed(done))])
             else:
-                state = _first_rows(init, sizes[-1])
+                state = [rows(st, 0, sizes[-1]) for st in first]
                 for t in range(len(sizes) - 1, -1, -1):
-                    start, rows = starts[t], sizes[t]
-                    if rows > _batch_rows(state):  # sequences whose last step is t join, from their initial state
-                        state = _cat_rows([state, tuple(s[_batch_rows(state):rows] for s in init) if mode == "lstm"
-                                           else init[_batch_rows(state):rows]])
-                    y, state = _cell(mode, x_proj[start:start + rows], state, w_hh, b_hh, w_hr)
-                    seq[t] = y
-                final = state
-            outs.append(torch.cat(seq, 0))
-            if mode == "lstm":
-                h_n.append(final[0])
-                c_n.append(final[1])
-            else:
-                h_n.append(final)
-        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
+                    start, n = starts[t], sizes[t]
+                    have = state[0].shape[dim]
+                    if n > have:  # sequences whose last step is t join
+                        state = [torch.cat([st, rows(f, have, n)], dim) for st, f in zip(state, first)]
+                    state = step(rows(xp, start, start + n), state, w_hh, b_hh, w_hr)
+                    seq[t] = state[0]
+                finals.append(list(state))
+            outs.append(torch.cat(seq, dim))
+        x = torch.cat(outs, -1) if dirs == 2 else outs[0]
         if dropout and train and layer < num_layers - 1:
-            layer_in = F.dropout(layer_in, dropout, True)
-    hn = torch.stack(h_n, 0)
-    return (layer_in, hn, torch.stack(c_n, 0)) if mode == "lstm" else (layer_in, hn)
+            x = drop(x)
+    return x, finals
 
 
-def _batch_rows(state) -> int:
-    return (state[0] if isinstance(state, tuple) else state).shape[0]
+def _run_packed(mode, data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """A recurrent op on a packed sequence (``data``: ``(N, F)``) through the cell equations of :func:`_cell`, every op
+    through its rule (:func:`_packed_layers`)."""
+    def initial(idx):
+        return [hx[0][idx], hx[1][idx]] if mode == "lstm" else [hx[idx]]
+
+    def step(x_rows, state, w_hh, b_hh, w_hr):
+        _, new = _cell(mode, x_rows, tuple(state) if mode == "lstm" else state[0], w_hh, b_hh, w_hr)
+        return list(new) if mode == "lstm" else [new]
+
+    out, finals = _packed_layers(mode, data, initial, batch_sizes, params, has_biases, num_layers, dropout, train,
+                                 bidirectional, step, 0, lambda h: F.dropout(h, dropout, True))
+    hn = torch.stack([f[0] for f in finals], 0)
+    return (out, hn, torch.stack([f[1] for f in finals], 0)) if mode == "lstm" else (out, hn)
 
 
 def _packed_on_blocks(mode, data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
@@ -424,54 +427,21 @@ def _packed_on_blocks(mode, data, batch_sizes, hx, params, has_biases, num_layer
     k = x.shape[0]
     states = hx if mode == "lstm" else (hx,)
     init = [st.as_subclass(torch.Tensor) if is_clone(st) else st.expand(k, *st.shape) for st in states]
-    sizes, starts = _steps(batch_sizes)
-    dirs = 2 if bidirectional else 1
-    per = len(params) // (num_layers * dirs)
-    layer_in, h_n, c_n = x, [], []
 
-    def step(xp_t, state, w_hh, b_hh, w_hr):
+    def step(x_rows, state, w_hh, b_hh, w_hr):
         if mode == "lstm":
-            return _lstm_step(xp_t + F.linear(state[0], w_hh, b_hh), state[1], w_hr)
+            return list(_lstm_step(x_rows + F.linear(state[0], w_hh, b_hh), state[1], w_hr))
         if mode == "gru":
-            return (_gru_step(xp_t, state[0], w_hh, b_hh),)
-        return (_elman_step(xp_t + F.linear(state[0], w_hh, b_hh), mode),)
+            return [_gru_step(x_rows, state[0], w_hh, b_hh)]
+        return [_elman_step(x_rows + F.linear(state[0], w_hh, b_hh), mode)]
 
-    for layer in range(num_layers):
-        outs = []
-        for d in range(dirs):
-            idx, w_ih, w_hh, b_ih, b_hh, w_hr = _weights(params, layer, d, dirs, per, has_biases, mode)
-            first = [st[:, idx] for st in init]                                  # (K, B, H) each
-            xp = F.linear(layer_in, w_ih, b_ih)                                  # (K, N, G): every row at once
-            seq = [None] * len(sizes)
-            if d == 0:
-                state, done = [st[:, :sizes[0]] for st in first], []
-                for t, (start, rows) in enumerate(zip(starts, sizes)):
-                    if rows < state[0].shape[1]:  # the shortest sequences ended at step t - 1
-                        done.append([st[:, rows:] for st in state])
-                        state = [st[:, :rows] for st in state]
-                    state = step(xp[:, start:start + rows], state, w_hh, b_hh, w_hr)
-                    seq[t] = state[0]
-                final = [torch.cat(parts, 1) for parts in zip(state, *reversed(done))]
-            else:
-                state = [st[:, :sizes[-1]] for st in first]
-                for t in range(len(sizes) - 1, -1, -1):
-                    start, rows = starts[t], sizes[t]
-                    have = state[0].shape[1]
-                    if rows > have:  # sequences whose last step is t join, from their initial state
-                        state = [torch.cat([st, f[:, have:rows]], 1) for st, f in zip(state, first)]
-                    state = step(xp[:, start:start + rows], state, w_hh, b_hh, w_hr)
-                    seq[t] = state[0]
-                final = list(state)
-            outs.append(torch.cat(seq, 1))
-            h_n.append(final[0])
-            if mode == "lstm":
-                c_n.append(final[1])
-        layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
-        if dropout and train and layer < num_layers - 1:
-            keep = F.dropout(torch.ones_like(layer_in[0]), dropout, True)
-            layer_in = layer_in * keep
-    out, hn = wrap(layer_in), wrap(torch.stack(h_n, 1))
-    return (out, hn, wrap(torch.stack(c_n, 1))) if mode == "lstm" else (out, hn)
+    def drop(h):  # one mask for every block
+        return h * F.dropout(torch.ones_like(h[0]), dropout, True)
+
+    out, finals = _packed_layers(mode, x, lambda idx: [st[:, idx] for st in init], batch_sizes, params, has_biases,
+                                 num_layers, dropout, train, bidirectional, step, 1, drop)
+    hn = wrap(torch.stack([f[0] for f in finals], 1))
+    return (wrap(out), hn, wrap(torch.stack([f[1] for f in finals], 1))) if mode == "lstm" else (wrap(out), hn)
 
 
 def _packed(args) -> bool:
