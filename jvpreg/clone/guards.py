@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -102,10 +103,16 @@ class ValueReads:
         return read
 
 
+_C_FUNCTIONS = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
+                types.MethodWrapperType)
+
+
 class _ScalarArguments(TorchFunctionMode):
     """A one-element tensor passed where a number is expected (``torch.zeros(n, batch_sizes[0], h)`` in
     ``nn.LSTM`` on a packed sequence) is read inside the C++ call, where :class:`ValueReads` cannot answer: the
-    tracer refuses it before the op runs. Such a call is made again with those tensors read first (and guarded)."""
+    tracer refuses it before the op runs. Such a call is made again with those tensors read first (and guarded):
+    only a C function's (its arguments are parsed before it does anything); a Python function may have written
+    something before the refused read, and runs once."""
 
     def __init__(self, reads: ValueReads):
         super().__init__()
@@ -116,7 +123,7 @@ class _ScalarArguments(TorchFunctionMode):
         try:
             return func(*args, **kwargs)
         except RuntimeError as err:
-            if "tracing tensor" not in str(err):
+            if "tracing tensor" not in str(err) or not isinstance(func, _C_FUNCTIONS):
                 raise
             first = err
         for skip_first in (True, False):  # a size argument, else also the first one (``torch.arange(n)``)
@@ -139,7 +146,7 @@ class _ScalarArguments(TorchFunctionMode):
         def convert(v):
             if isinstance(v, (list, tuple)):
                 return type(v)(convert(e) for e in v)
-            if type(v) is torch.Tensor and v.numel() == 1 and self.reads._traced(v) is not None:
+            if isinstance(v, torch.Tensor) and v.numel() == 1 and self.reads._traced(v) is not None:
                 found[0] = True
                 return v.item() if v.is_floating_point() or v.is_complex() else int(v)
             return v

@@ -313,3 +313,25 @@ def test_auto_gives_up_on_values_that_never_recur_without_recording_them(monkeyp
             torch.testing.assert_close(t, _scaled_jvp(x, u), rtol=1e-12, atol=1e-12)
     assert len([w for w in caught if issubclass(w.category, JVPCaptureWarning)]) == 1
     assert _program(model).gm is None
+
+
+class PaddedByCount(nn.Module):
+    """A one-element tensor passed where torch expects a number (a size): read inside the C++ call."""
+
+    def forward(self, x):
+        count = (x[:, 0] > 0).sum()
+        return torch.cat([torch.tanh(x), torch.zeros(x.shape[0], count, dtype=x.dtype)], 1)
+
+
+def test_a_tensor_passed_as_a_number_is_read_and_guarded():
+    torch.manual_seed(0)
+    model = PaddedByCount()
+    u = randn(4, 3)
+    for count in (2, 2, 3, 0):
+        x = randn(4, 3).abs() * torch.tensor([1.0] * count + [-1.0] * (4 - count), dtype=D)[:, None]
+        y, t = jvpreg.jvp(model, (x,), (u,))
+        assert y.shape == (4, 3 + count)
+        expected = torch.cat([(1 - torch.tanh(x) ** 2) * u, torch.zeros(4, count, dtype=D)], 1)
+        torch.testing.assert_close(t, expected, rtol=1e-12, atol=1e-12)
+    prog = _program(model)
+    assert prog.gm is not None and len(prog.variants) == 2
