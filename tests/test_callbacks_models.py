@@ -123,25 +123,32 @@ def test_callback_output_key_equals_the_penalty_route_and_leaves_the_penalty_alo
     assert own.output_key is None  # the callback scored a copy
 
 
-def test_bert_inputs_embeds_penalty_matches_torch_func():
+def tiny_bert():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    bert = transformers.BertModel(transformers.BertConfig(
+    return transformers.BertModel(transformers.BertConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
-    class Text(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.bert, self.head = bert, nn.Linear(16, 3)
 
-        def training_step(self, batch, batch_idx):
-            emb = self.bert.get_input_embeddings()(batch["input_ids"])
-            return F.cross_entropy(self.head(self.bert(inputs_embeds=emb).pooler_output), batch["labels"])
+class Text(pl.LightningModule):
+    """Token ids embedded in the step, the encoder on ``inputs_embeds`` (and the batch's mask, if it has one)."""
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
+    def __init__(self, bert):
+        super().__init__()
+        self.bert, self.head = bert, nn.Linear(16, 3)
 
+    def training_step(self, batch, batch_idx):
+        emb = self.bert.get_input_embeddings()(batch["input_ids"])
+        out = self.bert(inputs_embeds=emb, attention_mask=batch.get("attention_mask")).pooler_output
+        return F.cross_entropy(self.head(out), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_bert_inputs_embeds_penalty_matches_torch_func():
+    bert = tiny_bert()
     g = torch.Generator().manual_seed(0)
     items = [{"input_ids": torch.randint(0, 50, (6,), generator=g), "labels": i % 3} for i in range(4)]
     loader = torch.utils.data.DataLoader(items, batch_size=4)
@@ -149,7 +156,7 @@ def test_bert_inputs_embeds_penalty_matches_torch_func():
     ref = eager(bert)
     emb = ref.get_input_embeddings()(next(iter(loader))["input_ids"])
     (u,), _ = twin_u(cb.penalty, emb)
-    make_trainer([cb], precision="64-true").fit(Text(), loader)
+    make_trainer([cb], precision="64-true").fit(Text(bert), loader)
     _, ju = torch.func.jvp(lambda z: ref(inputs_embeds=z).pooler_output, (emb,), (u,))
     assert cb.last_value == pytest.approx(float(ju.pow(2).sum() / 4), rel=1e-8)
 
@@ -157,27 +164,9 @@ def test_bert_inputs_embeds_penalty_matches_torch_func():
 def test_bert_with_padding_masks_is_captured_and_equals_the_eager_engine():
     """The mask preparation reads the mask's values (``mask.all()``): guarded, one program for padded batches and
     one for full ones, every penalty equal to the eager engine's."""
-    transformers = pytest.importorskip("transformers")
     from jvpreg.clone import JVPCaptureWarning, capture
 
-    torch.manual_seed(0)
-    bert = transformers.BertModel(transformers.BertConfig(
-        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-
-    class Text(pl.LightningModule):
-        def __init__(self, bert):
-            super().__init__()
-            self.bert, self.head = bert, nn.Linear(16, 3)
-
-        def training_step(self, batch, batch_idx):
-            emb = self.bert.get_input_embeddings()(batch["input_ids"])
-            out = self.bert(inputs_embeds=emb, attention_mask=batch["attention_mask"]).pooler_output
-            return F.cross_entropy(self.head(out), batch["labels"])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0)
-
+    bert = tiny_bert()
     g = torch.Generator().manual_seed(0)
     items = []
     for i in range(8):  # the first batch padded, the second full

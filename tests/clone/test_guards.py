@@ -171,22 +171,30 @@ def test_a_constant_changed_in_place_is_re_checked():
     assert len(_program(model).variants) == 1
 
 
-class ReadsRunningMean(nn.Module):
-    """A read of a BatchNorm buffer after the train-mode forward updated it in place."""
+class BranchAfterBatchNorm(nn.Module):
+    """A train-mode BatchNorm, then a branch on ``read(self, x)``."""
 
-    def __init__(self):
+    def __init__(self, read):
         super().__init__()
-        self.bn = nn.BatchNorm1d(4)
+        self.bn, self.read = nn.BatchNorm1d(4), read
 
     def forward(self, x):
         h = self.bn(x)
-        return torch.relu(h) if self.bn.running_mean.sum() > 0 else torch.tanh(h)
+        return torch.relu(h) if self.read(self, x) > 0 else torch.tanh(h)
+
+
+def running_mean_sum(model, x):  # a buffer the forward just updated in place
+    return model.bn.running_mean.sum()
+
+
+def first_input(model, x):  # the input's values: the guard runs before the replay's update
+    return x[0, 0]
 
 
 def test_a_value_the_forward_writes_in_place_is_not_guarded_but_run_eagerly():
     torch.manual_seed(0)
-    model = ReadsRunningMean().to(D).train()
-    reference = ReadsRunningMean().to(D).train()
+    model = BranchAfterBatchNorm(running_mean_sum).to(D).train()
+    reference = BranchAfterBatchNorm(running_mean_sum).to(D).train()
     x, u = randn(6, 4), randn(6, 4)
     with pytest.warns(JVPCaptureWarning, match="changes in place"):
         _, t = jvpreg.jvp(model, (x,), (u,))
@@ -195,22 +203,10 @@ def test_a_value_the_forward_writes_in_place_is_not_guarded_but_run_eagerly():
     assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
 
 
-class BranchAfterBatchNorm(nn.Module):
-    """A read of the input's values next to a train-mode BatchNorm: the guard runs before the replay's update."""
-
-    def __init__(self):
-        super().__init__()
-        self.bn = nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        h = self.bn(x)
-        return torch.relu(h) if x[0, 0] > 0 else torch.tanh(h)
-
-
 def test_running_statistics_are_updated_once_per_call_whichever_program_runs():
     torch.manual_seed(0)
-    model = BranchAfterBatchNorm().to(D).train()
-    reference = BranchAfterBatchNorm().to(D).train()
+    model = BranchAfterBatchNorm(first_input).to(D).train()
+    reference = BranchAfterBatchNorm(first_input).to(D).train()
     u = randn(6, 4)
     for sign in (1.0, -1.0, -1.0, 1.0):
         x = randn(6, 4)
