@@ -9,7 +9,9 @@ callable that runs the same operator:
 * the op's generated Python binding (``torch.sub``, ``torch._C._nn.linear``, ``Tensor.view``): unboxed,
   0.4-0.9 µs less per op than the handle on this CPU (``select`` 1.37 → 0.93 µs, ``sub`` 1.57 → 1.12 µs);
 * else the C++ operator handle ``op._op`` (what ``OpOverload.__call__`` calls when no Python
-  dispatcher is attached): one Python frame less than the overload.
+  dispatcher is attached): one Python frame less than the overload;
+* jvpreg's own operators (:mod:`jvpreg.clone.kernels`): the same forward, setup and backward as a plain
+  ``autograd.Function`` (:data:`jvpreg.clone.kernels.DIRECT`), without the custom-operator dispatch.
 
 A binding picks its overload from the argument types at run time, so it is used for a node only when it
 is *checked* to run the same thing. The program is walked once on ``meta`` tensors shaped like its inputs
@@ -37,6 +39,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+
+from . import kernels
 
 __all__ = ["replay_function"]
 
@@ -219,6 +223,10 @@ def replay_function(gm: GraphModule) -> Callable:
     def handle(match):
         ns, name, overload = match.groups()
         op = getattr(getattr(getattr(torch.ops, ns), name), overload)
+        if op in kernels.DIRECT:  # jvpreg's operators: their autograd.Function, no custom-operator dispatch
+            key = f"_direct_{name}"
+            env[key] = kernels.DIRECT[op]
+            return key + "("
         if not isinstance(op, torch._ops.OpOverload) or op._pyobj_dispatcher is not None:
             return match.group(0)
         key = f"_op_{ns}_{name}_{overload}"

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from jvpreg.clone import kernels
-from jvpreg.clone.rules.normalization import _channel_view, _group_norm_tangent_composite
 
 D = torch.float64
 EPS = 1e-5
@@ -119,12 +118,12 @@ def test_torch_func_grad_through_jvp_still_works_where_the_operators_would_apply
 def _gn_tangent(d, a, w, groups):
     n, c = a.shape[:2]
     _, mean, rstd = torch.native_group_norm(a.detach(), None, None, n, c, a.numel() // (n * c), groups, EPS)
-    return kernels.group_norm_tangent(d, a, w, mean, rstd, groups)[0]
+    return kernels.group_norm_tangent(d, a, w, mean, rstd, groups, EPS)[0]
 
 
 def _gn_tangent_composite(d, a, w, groups):
     """The GroupNorm rule's primitive-op form (torch.func transforms, compiling): what the operator must equal."""
-    return _group_norm_tangent_composite(d, a, w, groups, EPS, lambda p: _channel_view(p, a.dim()))
+    return kernels.group_norm_tangent_composite(d, a, w, groups, EPS)
 
 
 @pytest.mark.parametrize("shape, groups, blocks, affine", [((3, 6, 4, 4), 3, 1, True), ((2, 4, 5), 2, 2, True),
@@ -147,8 +146,58 @@ def test_group_norm_tangent_values_and_gradients(shape, groups, blocks, affine):
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
 
 
-def test_group_norm_tangent_refuses_create_graph_with_a_clear_error():
+def test_group_norm_tangent_second_order():
+    """Under create_graph the operator differentiates its primitive-op form: second derivatives are exact too (it
+    raised before: torch has no derivative for ``native_group_norm_backward``)."""
+    torch.manual_seed(0)
     a = torch.randn(2, 4, 3, dtype=D, requires_grad=True)
     d = torch.randn(1, 2, 4, 3, dtype=D, requires_grad=True)
-    with pytest.raises(RuntimeError, match="higher-order gradients through the clone rule of GroupNorm"):
-        torch.autograd.grad(_gn_tangent(d, a, None, 2).sum(), (d, a), create_graph=True)
+    w = torch.randn(4, dtype=D, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda *xs: _gn_tangent(*xs, 2), (d, a, w))
+
+
+def _ln_tangent(d, a, normalized_shape):
+    _, mean, rstd = torch.native_layer_norm(a.detach(), normalized_shape, None, None, EPS)
+    return kernels.layer_norm_tangent(d, a, mean, rstd, list(normalized_shape), EPS)[0]
+
+
+@pytest.mark.parametrize("shape, normalized_shape, blocks", [((3, 5, 6), (6,), 1), ((2, 4, 3, 5), (3, 5), 2),
+                                                             ((7, 4), (4,), 1)],
+                         ids=["tokens", "two-dims-two-tangents", "rows"])
+def test_layer_norm_tangent_values_gradients_and_second_order(shape, normalized_shape, blocks):
+    """Against the primitive-op form with statistics recomputed from ``a``, to the second derivative: torch's double
+    backward of ``native_layer_norm_backward`` (the rule's tangent before this operator) holds the statistics fixed
+    in its own derivative, so ``gradgradcheck`` failed on it (a wrong Hessian-vector product of a penalty)."""
+    torch.manual_seed(0)
+    a = torch.randn(shape, dtype=D, requires_grad=True)
+    d = torch.randn(blocks, *shape, dtype=D, requires_grad=True)
+    fn = lambda d_, a_: _ln_tangent(d_, a_, normalized_shape)
+    ref = lambda d_, a_: kernels.layer_norm_tangent_composite(d_, a_, len(normalized_shape), EPS)
+    torch.testing.assert_close(fn(d, a), ref(d, a), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(fn, (d, a))
+    assert torch.autograd.gradgradcheck(fn, (d, a))
+    g = torch.randn_like(d)
+    for x, y in zip(torch.autograd.grad(fn(d, a), (d, a), g), torch.autograd.grad(ref(d, a), (d, a), g)):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+
+def test_direct_entries_cover_every_operator_and_match_it_bitwise():
+    """The replay calls :data:`kernels.DIRECT` (the operators' own functions as an autograd.Function): one per jvpreg
+    operator, same values and gradients bit for bit as the custom operator."""
+    ops = {getattr(torch.ops.jvpreg, name).default for name in dir(torch.ops.jvpreg)
+           if isinstance(getattr(torch.ops.jvpreg, name, None), torch._ops.OpOverloadPacket)}
+    assert ops and ops <= set(kernels.DIRECT)
+    torch.manual_seed(0)
+    a = torch.randn(3, 5, 6, dtype=D, requires_grad=True)
+    d = torch.randn(2, 3, 5, 6, dtype=D, requires_grad=True)
+    _, mean, rstd = torch.native_layer_norm(a.detach(), [6], None, None, EPS)
+    g = torch.randn_like(d)
+    cases = [(torch.ops.jvpreg.layer_norm_tangent.default, (d, a, mean, rstd, [6], EPS), (d, a)),
+             (torch.ops.jvpreg.relu_blocks.default, (d,), (d,))]
+    for op, args, wrt in cases:
+        want = op(*args)[0]
+        got = kernels.DIRECT[op](*args)[0]
+        assert torch.equal(got, want)
+        for x, y in zip(torch.autograd.grad(got, wrt, g), torch.autograd.grad(want, wrt, g)):
+            assert torch.equal(x, y)

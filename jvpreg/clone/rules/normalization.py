@@ -189,7 +189,9 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 @register_rule(F.layer_norm, torch.layer_norm)
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
     """LayerNorm over the trailing ``normalized_shape`` dims, statistics of the primal block; the input tangent
-    ``rstd * (d - mean(d) - xhat * mean(xhat * d))`` is ``native_layer_norm_backward`` applied to ``d_j``."""
+    ``rstd * (d - mean(d) - xhat * mean(xhat * d))`` is ``native_layer_norm_backward`` applied to ``d_j``, under
+    autograd through :func:`jvpreg.clone.kernels.layer_norm_tangent` (torch's double backward of that kernel is
+    exact to first order only)."""
     input = _batch_input(input, weight, bias)
     a = kept_primal(input)
     w0, b0 = _primal(weight), _primal(bias)
@@ -204,8 +206,11 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
     d = _delta(input, nonfinite=False)
     tan = None
     if d is not None:  # the normalisation's Jacobian is symmetric: its backward kernel (no weight) applied to d_j
-        tan = each_block(lambda b: torch.ops.aten.native_layer_norm_backward(
-            b.to(a.dtype), a, normalized_shape, mean, rstd, None, None, [True, False, False])[0], d)
+        if a.dtype in (torch.float32, torch.float64) and kernels.applies(input):
+            tan = kernels.layer_norm_tangent(raw(d).to(a.dtype), a, mean, rstd, list(normalized_shape), eps)[0]
+        else:
+            tan = each_block(lambda b: torch.ops.aten.native_layer_norm_backward(
+                b.to(a.dtype), a, normalized_shape, mean, rstd, None, None, [True, False, False])[0], d)
         tan = tan if w0 is None else tan * w0
     if varies(weight) or varies(bias):  # xhat with differentiable statistics
         var, mu = torch.var_mean(a, dim=tuple(range(-len(normalized_shape), 0)), correction=0, keepdim=True)
@@ -240,9 +245,9 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     tan = None
     if d is not None:
         if a.dtype in (torch.float32, torch.float64) and kernels.applies(input):
-            tan = group_norm_tangent(raw(d).to(a.dtype), a, w0, mean, rstd, num_groups)[0]  # (autocast: a upcast)
+            tan = group_norm_tangent(raw(d).to(a.dtype), a, w0, mean, rstd, num_groups, eps)[0]  # (autocast: a upcast)
         elif torch.is_grad_enabled() and (input.requires_grad or varies(weight)):
-            tan = _group_norm_tangent_composite(d, a, w0, num_groups, eps, ch)
+            tan = kernels.group_norm_tangent_composite(d, a, w0, num_groups, eps)
         else:
             tan = each_block(lambda b: torch.ops.aten.native_group_norm_backward(
                 b.to(a.dtype), a, mean, rstd, None, n, c, hw, num_groups, [True, False, False])[0], d)
@@ -253,18 +258,6 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
         params = affine_tangent(((ag - mu) * torch.rsqrt(var + eps)).reshape(a.shape), weight, bias, ch)
         tan = params if tan is None else tan + params
     return tile(out_a, input.shape[0]) if tan is None else stack_blocks(out_a, out_a + tan)
-
-
-def _group_norm_tangent_composite(d, a, w0, num_groups, eps, ch):
-    """The input tangent from primitive ops with differentiable statistics (torch.func transforms, compiling)."""
-    n = a.shape[0]
-    ag = a.reshape(n, num_groups, -1)
-    var, mean = torch.var_mean(ag, dim=-1, correction=0, keepdim=True)
-    rstd_g = torch.rsqrt(var + eps)
-    xg = (ag - mean) * rstd_g
-    dg = d.reshape(d.shape[0], n, num_groups, -1)
-    dn = ((dg - dg.mean(-1, keepdim=True) - xg * (dg * xg).mean(-1, keepdim=True)) * rstd_g).reshape(d.shape)
-    return dn if w0 is None else dn * ch(w0)
 
 
 def _sync_batch_norm_rule(args, kwargs):

@@ -1,0 +1,88 @@
+"""Second derivatives of a penalty through every kind of rule: Hessian-vector products by double backward vs central
+differences of the first-order gradient (which the other tests check against references), in float64.
+
+Rules whose tangent is a torch backward kernel inherit that kernel's double backward; LayerNorm's is exact to first
+order only (it holds the statistics fixed in its own derivative), so these products were silently wrong through
+LayerNorm (relative error 0.5) until its tangent became :func:`jvpreg.clone.kernels.layer_norm_tangent`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import jvpreg
+
+D = torch.float64
+
+
+class _Tokens(nn.Module):
+    """``(4, 24) -> (4, 3, 8)`` tokens through ``inner``, flattened back."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.reshape(4, 3, 8)).reshape(4, 24)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+LAYERS = {
+    "gelu": lambda: nn.GELU(), "gelu-tanh": lambda: nn.GELU("tanh"), "sigmoid": lambda: nn.Sigmoid(),
+    "tanh": lambda: nn.Tanh(), "softplus": lambda: nn.Softplus(), "elu": lambda: nn.ELU(), "selu": lambda: nn.SELU(),
+    "silu": lambda: nn.SiLU(), "mish": lambda: nn.Mish(), "softmax": lambda: nn.Softmax(-1),
+    "log-softmax": lambda: nn.LogSoftmax(-1), "layer-norm": lambda: nn.LayerNorm(24),
+    "layer-norm-tokens": lambda: _Tokens(nn.LayerNorm(8)), "rms-norm": lambda: nn.RMSNorm(24),
+    "group-norm": lambda: nn.GroupNorm(4, 24),
+    "instance-norm": lambda: nn.Sequential(nn.Unflatten(1, (4, 6)), nn.InstanceNorm1d(4, affine=True), nn.Flatten()),
+    "attention": lambda: _Tokens(_SelfAttention()),
+}
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_hessian_vector_product_of_a_penalty(layer, engine):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 24), LAYERS[layer](), nn.Linear(24, 3)).to(D)
+    x, u = torch.randn(4, 5, dtype=D), torch.randn(4, 5, dtype=D)
+    params = list(net.parameters())[:-1]  # the last bias does not move J u
+    v = [torch.randn_like(p) for p in params]
+
+    def penalty():
+        return jvpreg.jvp(net, (x,), (u,), engine=engine)[1].pow(2).sum()
+
+    def grad_at(e):
+        with torch.no_grad():
+            for p, vi in zip(params, v):
+                p.add_(e * vi)
+        g = torch.autograd.grad(penalty(), params)
+        with torch.no_grad():
+            for p, vi in zip(params, v):
+                p.sub_(e * vi)
+        return g
+
+    h = 1e-6
+    want = [(p - m) / (2 * h) for p, m in zip(grad_at(h), grad_at(-h))]
+    g = torch.autograd.grad(penalty(), params, create_graph=True)
+    got = torch.autograd.grad(sum((gi * vi).sum() for gi, vi in zip(g, v)), params)
+    for name_got, name_want in zip(got, want):
+        torch.testing.assert_close(name_got, name_want, rtol=1e-6, atol=1e-6 * float(name_want.abs().max()) + 1e-9)
+
+
+def test_batch_norm_second_derivative_raises_torchs_clear_error():
+    """Train-mode BatchNorm: torch has no third derivative of batch norm, and says so (no wrong product)."""
+    net = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).to(D)
+    x, u = torch.randn(4, 5, dtype=D), torch.randn(4, 5, dtype=D)
+    params = list(net.parameters())[:-1]
+    g = torch.autograd.grad(jvpreg.jvp(net, (x,), (u,))[1].pow(2).sum(), params, create_graph=True)
+    with pytest.raises(RuntimeError, match="3rd\\+ order"):
+        torch.autograd.grad(sum(gi.sum() for gi in g), params)
