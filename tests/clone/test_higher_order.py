@@ -28,12 +28,32 @@ class _Tokens(nn.Module):
 
 
 class _SelfAttention(nn.Module):
-    def __init__(self):
+    def __init__(self, padding: bool = False):
         super().__init__()
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.padding = padding
 
     def forward(self, x):
-        return self.attn(x, x, x, need_weights=False)[0]
+        mask = torch.tensor([[False, False, True]] * x.shape[0]) if self.padding else None
+        return self.attn(x, x, x, key_padding_mask=mask, need_weights=False)[0]
+
+
+class _Recurrent(nn.Module):
+    """``(4, 24) -> (4, 4, 6)`` sequences through ``cell`` (padded, or packed with lengths 4, 3, 3, 1)."""
+
+    def __init__(self, cell, packed: bool = False):
+        super().__init__()
+        self.rnn = cell(6, 6, batch_first=True)
+        self.packed = packed
+
+    def forward(self, x):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        x = x.reshape(4, 4, 6)
+        if not self.packed:
+            return self.rnn(x)[0].reshape(4, 24)
+        out, _ = self.rnn(pack_padded_sequence(x, torch.tensor([4, 3, 3, 1]), batch_first=True))
+        return pad_packed_sequence(out, batch_first=True, total_length=4)[0].reshape(4, 24)
 
 
 LAYERS = {
@@ -44,7 +64,8 @@ LAYERS = {
     "layer-norm-tokens": lambda: _Tokens(nn.LayerNorm(8)), "rms-norm": lambda: nn.RMSNorm(24),
     "group-norm": lambda: nn.GroupNorm(4, 24),
     "instance-norm": lambda: nn.Sequential(nn.Unflatten(1, (4, 6)), nn.InstanceNorm1d(4, affine=True), nn.Flatten()),
-    "attention": lambda: _Tokens(_SelfAttention()),
+    "attention": lambda: _Tokens(_SelfAttention()), "attention-padding-mask": lambda: _Tokens(_SelfAttention(True)),
+    "lstm": lambda: _Recurrent(nn.LSTM), "gru-packed": lambda: _Recurrent(nn.GRU, packed=True),
 }
 
 
