@@ -34,7 +34,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.overrides import TorchFunctionMode
 
 from . import tensor as _tensor
-from .passes import _drop_dead, _last_writes, _pure
+from .passes import _METADATA_ONLY, _drop_dead, _last_writes, _pure
 
 __all__ = ["Guard", "ValueReads", "dynamic_shapes", "split"]
 
@@ -239,7 +239,7 @@ def split(gm: torch.fx.GraphModule, n: int, names: Sequence[str]) -> torch.fx.Gr
         todo.extend(node.all_input_nodes)
     written = _last_writes(graph)
     for node in needed:
-        if node.op == "call_function" and not _pure(node.target) or node in written:
+        if node.op == "call_function" and not (_pure(node.target) or node.target in _METADATA_ONLY) or node in written:
             what = ", ".join(sorted(set(names)))
             raise CaptureError(f"its Python code reads tensor values ({what}) computed from a tensor that the forward "
                                "changes in place or draws at random, so they cannot be re-checked before a replay")

@@ -51,6 +51,10 @@ _HIDDEN_WRITES = {op: (3, 4, 5) for op in (_aten("native_batch_norm"), _aten("ba
                                             _aten("cudnn_batch_norm"), _aten("miopen_batch_norm"),
                                             _aten("instance_norm")) if op is not None}
 
+#: In-place ops that change a tensor's autograd metadata, not its values (``torch.tensor(...)`` in a forward records
+#: ``detach_`` of the lifted constant): no write for the passes and guards that follow values.
+_METADATA_ONLY = frozenset(op for op in (_aten("detach_"),) if op is not None)
+
 
 def _pure(target: Any) -> bool:
     """An op whose result depends only on its arguments (no mutation, no randomness)."""
@@ -715,7 +719,7 @@ def _written(node: torch.fx.Node):
         if len(node.args) <= flag or node.args[flag] is not False:
             yield from (node.args[i] for i in stats if i < len(node.args) and isinstance(node.args[i], torch.fx.Node))
         return
-    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable or target in _METADATA_ONLY:
         return
     for i, arg in enumerate(target._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:

@@ -127,6 +127,30 @@ def test_batches_of_other_lengths_replay_or_record_their_own_program():
     assert prog.gm is not None and len(prog.variants) == 1
 
 
+def test_lengths_made_in_the_forward_from_a_list_are_captured():
+    """``torch.tensor([...])`` in a forward records ``detach_`` of the lifted constant: an in-place op on metadata
+    only, so the guard that re-reads the lengths may recompute them (it sent the model to eager clone mode)."""
+    torch.manual_seed(0)
+
+    class Fixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(3, 4)
+
+        def forward(self, x):
+            return self.rnn(pack_padded_sequence(x, torch.tensor([5, 3, 2])))[1][-1]
+
+    model = Fixed().to(D)
+    for _ in range(2):
+        x, u = torch.randn(5, 3, 3, dtype=D), torch.randn(5, 3, 3, dtype=D)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", JVPCaptureWarning)
+            _, t = jvpreg.jvp(model, (x,), (u,), engine="captured")
+        torch.testing.assert_close(t, reverse_jvp(model, x, u), rtol=1e-10, atol=1e-12)
+    (prog,) = capture.programs(model).values()
+    assert prog.gm is not None and prog.guard is not None
+
+
 @pytest.mark.parametrize("with_parameter_tangents", [False, True])
 def test_dropout_between_layers_uses_one_mask_for_every_block(with_parameter_tangents):
     """Train mode: with tangents (u, 2u) in one pass the second JVP is exactly twice the first (one mask for the
