@@ -628,6 +628,30 @@ def mha(batch_first: bool, need_weights: bool, attn_mask: bool = False, function
     return Wrapper
 
 
+def mha_self(batch_first: bool, padding_mask: bool = False):
+    """``attn(x, x, x)`` without weights: self-attention, the case the MultiheadAttention handler runs on views of
+    one packed projection (:func:`jvpreg.clone.rules.attention._lean_self_attention`); with a key padding mask,
+    torch's own decomposition."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = randomized(nn.MultiheadAttention(6, 2, batch_first=batch_first))
+
+        def forward(self, x):
+            mask = torch.tensor([[False, False, False, True], [False, True, False, False]]) if padding_mask else None
+            return self.attn(x, x, x, need_weights=False, key_padding_mask=mask)[0]
+
+    return Wrapper
+
+
+ATTENTION_SETTINGS += [
+    {"id": f"mha-self-batch_first={bf}", "module": mha_self(bf), "input_shape": (2, 4, 6) if bf else (4, 2, 6)}
+    for bf in (True, False)
+] + [
+    {"id": "mha-self-key-padding-mask", "module": mha_self(True, padding_mask=True), "input_shape": (2, 4, 6)},
+]
+
 ATTENTION_SETTINGS += [
     {"id": f"mha-batch_first={bf}-need_weights={nw}", "module": mha(bf, nw),
      "input_shape": (2, 4, 6) if bf else (4, 2, 6)}
@@ -945,3 +969,15 @@ def test_layer_norm_under_bf16_autocast(engine):
     assert torch.equal(y, y_plain)
     want = torch.func.jvp(model.double(), (x.double(),), (u.double(),))[1]
     assert ((t.double() - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_self_attention_takes_the_lean_path_and_other_calls_torchs_decomposition(monkeypatch):
+    from jvpreg.clone.rules import attention
+
+    taken = []
+    real = attention._lean_self_attention
+    monkeypatch.setattr(attention, "_lean_self_attention", lambda a: taken.append(real(a) is not None) or real(a))
+    x, u = randn()((2, 4, 6)), randn()((2, 4, 6))
+    for make in (mha_self(True), mha(True, False), mha_self(True, padding_mask=True)):
+        jvpreg.jvp(make().to(D), (x,), (u,), engine="eager")
+    assert taken == [True, False, False]
