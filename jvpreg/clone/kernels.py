@@ -340,37 +340,32 @@ def _ln_rows(a: torch.Tensor, mean: torch.Tensor):
 
 @_operator("layer_norm_tangent")
 def layer_norm_tangent(d: torch.Tensor, a: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                       normalized_shape: List[int], eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       normalized_shape: List[int], eps: float) -> torch.Tensor:
     """LayerNorm's tangents ``t_j = r * (d_j - mean(d_j) - xhat * mean(d_j * xhat))`` (means over each row's
     trailing ``normalized_shape`` entries; ``mean``, ``rstd = r`` from ``native_layer_norm`` of the primal block
-    ``a``), with the per-row sums ``sum(d_j * xhat)`` and ``sum(d_j)`` the backward reuses (``(K-1, rows, 1)``).
-    The backward is the one-group GroupNorm's (:func:`_group_tangent_grads`): torch's double backward of
-    ``native_layer_norm_backward`` takes ~20 autograd nodes per LayerNorm."""
-    rows, n = _ln_rows(a, mean)
-    xhat = (a.reshape(rows, 1, n) - mean.reshape(rows, 1, 1)) * rstd.reshape(rows, 1, 1)
-    ts, sdx, sd = [], [], []
-    for dj in d:
-        ts.append(_ln_backward(dj, a, normalized_shape, mean, rstd, None, None, [True, False, False])[0])
-        dr = dj.reshape(rows, 1, n)
-        sdx.append((dr * xhat).sum(-1).to(mean.dtype))
-        sd.append(dr.sum(-1).to(mean.dtype))
-    return _stacked(ts), _stacked(sdx), _stacked(sd)
+    ``a``): the LayerNorm backward kernel (no weight) applied to each ``d_j``."""
+    return _stacked([_ln_backward(dj, a, normalized_shape, mean, rstd, None, None, [True, False, False])[0]
+                     for dj in d])
 
 
 @layer_norm_tangent.register_fake
 def _(d, a, mean, rstd, normalized_shape, eps):
-    rows = mean.numel()
-    sums = d.new_empty((d.shape[0], rows, 1), dtype=mean.dtype)
-    return torch.empty_like(d), sums, torch.empty_like(sums)
+    return torch.empty_like(d)
 
 
-def _ln_tangent_backward(ctx, grad, _g_sdx, _g_sd):
-    """Gradients of ``sum_j <g_j, t_j>`` w.r.t. ``d`` and ``a``; under ``create_graph`` through autograd of the
-    tangent's primitive-op form with statistics recomputed from ``a`` (exact at every order: torch's double
+def _ln_tangent_backward(ctx, grad):
+    """Gradients of ``L = sum_j <g_j, t_j>`` w.r.t. ``d`` and ``a``: per row of ``N`` entries, with sums
+    ``S_x = sum(x)``, ``dbar = S_d / N``, ``c = S_dxhat / N``, ``k = r^2 / N``,
+
+        dL/dd_j = LN_backward(g_j)    (t is r P(d) with P a symmetric projection)
+        dL/da   = sum_j k [xhat (3 c S_gxhat + dbar S_g - S_gd) + S_gxhat dbar + c S_g - S_gxhat d_j - N c g_j]
+
+    (:func:`_bn_tangent_backward`'s formulas per row, without a weight). Under ``create_graph``: autograd of the
+    tangent's primitive-op form with statistics recomputed from ``a`` (exact at every order; torch's double
     backward of ``native_layer_norm_backward`` holds the statistics fixed in its own derivative)."""
     if grad is None:
         return None, None, None, None, None, None
-    d, a, mean, rstd, sum_dx, sum_d = ctx.saved_tensors
+    d, a, mean, rstd = ctx.saved_tensors
     shape, eps = ctx.setting
     if torch.is_grad_enabled():
         wrt = [t for t in (d, a) if t.requires_grad]
@@ -378,19 +373,20 @@ def _ln_tangent_backward(ctx, grad, _g_sdx, _g_sd):
                                        create_graph=True, allow_unused=True))
         return (next(got) if d.requires_grad else None, next(got) if a.requires_grad else None,
                 None, None, None, None)
-    rows, n = _ln_rows(a, mean)
-    a2, r, mu = a.reshape(rows, n), rstd.reshape(rows, 1), mean.reshape(rows, 1)
-    xhat = (a2 - mu) * r
+    rows = mean.numel()
+    n = a.numel() // rows if rows else 0
+    r, mu = rstd.reshape(rows, 1), mean.reshape(rows, 1)
+    xhat = (a.reshape(rows, n) - mu) * r
     k = r * r / n
+    dot = torch.linalg.vecdot
     grad_d, grad_a = [], None
-    for j in range(d.shape[0]):  # the formulas of _bn_tangent_backward per row, without a weight
+    for j in range(d.shape[0]):
         gj, dj = grad[j].reshape(rows, n), d[j].reshape(rows, n)
         grad_d.append(_ln_backward(grad[j], a, shape, mean, rstd, None, None, [True, False, False])[0])
-        s_g, s_gx, s_gd = gj.sum(-1, keepdim=True), (gj * xhat).sum(-1, keepdim=True), (gj * dj).sum(-1, keepdim=True)
-        dbar, c = sum_d[j].reshape(rows, 1) / n, sum_dx[j].reshape(rows, 1) / n
-        coef_x = k * (3 * c * s_gx + dbar * s_g - s_gd)
-        ga = (xhat * coef_x).add_(k * (s_gx * dbar + c * s_g))
-        ga.addcmul_(-k * s_gx, dj).addcmul_(-n * k * c, gj)
+        s_g, s_gx, s_gd = gj.sum(-1, keepdim=True), dot(gj, xhat).unsqueeze(-1), dot(gj, dj).unsqueeze(-1)
+        dbar, c = dj.mean(-1, keepdim=True), dot(dj, xhat).unsqueeze(-1) / n
+        ga = (xhat * (k * (3 * c * s_gx + dbar * s_g - s_gd))).add_(k * (s_gx * dbar + c * s_g))
+        ga.addcmul_(k * s_gx, dj, value=-1).addcmul_(r * r * c, gj, value=-1)
         grad_a = ga if grad_a is None else grad_a.add_(ga)
     return _stacked(grad_d), grad_a.reshape(a.shape), None, None, None, None
 
@@ -404,7 +400,13 @@ def layer_norm_tangent_composite(d: torch.Tensor, a: torch.Tensor, dims: int, ep
     return r * (d - d.mean(red, keepdim=True) - xhat * (d * xhat).mean(red, keepdim=True))
 
 
-_register_autograd(layer_norm_tangent, _ln_tangent_backward, _keep_inputs_sums_and_settings)
+def _keep_inputs_and_settings(ctx, inputs, output):
+    """Save the tensor inputs; the two trailing settings as ``ctx.setting``."""
+    ctx.setting = inputs[-2:]
+    ctx.save_for_backward(*inputs[:-2])
+
+
+_register_autograd(layer_norm_tangent, _ln_tangent_backward, _keep_inputs_and_settings)
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, m: Optional[torch.Tensor], sc: float,

@@ -207,7 +207,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
     tan = None
     if d is not None:  # the normalisation's Jacobian is symmetric: its backward kernel (no weight) applied to d_j
         if a.dtype in (torch.float32, torch.float64) and kernels.applies(input):
-            tan = kernels.layer_norm_tangent(raw(d).to(a.dtype), a, mean, rstd, list(normalized_shape), eps)[0]
+            tan = kernels.layer_norm_tangent(raw(d).to(a.dtype), a, mean, rstd, list(normalized_shape), eps)
         else:
             tan = each_block(lambda b: torch.ops.aten.native_layer_norm_backward(
                 b.to(a.dtype), a, normalized_shape, mean, rstd, None, None, [True, False, False])[0], d)
