@@ -235,6 +235,19 @@ def test_capture_benchmark_writes_ratios_and_checks_every_engine(tmp_path):
     assert "| model" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
+def test_capture_benchmark_runs_each_model_in_a_fresh_process_when_isolated():
+    """``isolate`` (the default with torch.compile methods): one spawned process per model, the parent's thread
+    count applied there; the rows are those of an in-process run."""
+    from jvpreg.bench import capture
+
+    result = capture.run(["small"], ["forward_2B", "eager", "captured"], rounds=1, warmup=0, device="cpu", mode="eval",
+                         autocast=None, progress=False, clock="cpu", isolate=True, threads=1)
+    assert [r["model"] for r in result["rows"]] == list(capture.SUITES["small"])
+    assert all(not r["errors"] and r["rel_diff"]["captured"] == 0.0 and r["captured/fwd2B"] > 0
+               for r in result["rows"])
+
+
 def test_capture_benchmark_refuses_a_burst_below_one(capsys):
     from jvpreg.bench import capture
 

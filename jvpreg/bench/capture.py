@@ -231,27 +231,63 @@ class _null:
         return False
 
 
+def _model_row(suite: str, name: str, methods, rounds: int, warmup: int, device: str, mode: str, autocast,
+               clock: str, batch_size: int | None, burst: int) -> dict:
+    """One model's row: built, seeded and benchmarked (:func:`bench_model`)."""
+    build, shape = SUITES[suite][name]
+    torch.manual_seed(0)
+    model = build().to(device)
+    model.train(mode == "train")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if batch_size:
+        shape = (batch_size, *shape[1:])
+    x = torch.randn(*shape, device=device)
+    row = bench_model(name, model, x, methods, rounds, warmup, autocast, clock, burst)
+    row["suite"], row["shape"] = suite, list(shape)
+    return row
+
+
+def _isolated_row(args: tuple, threads: int | None, steady: bool) -> dict:
+    """:func:`_model_row` in a fresh process (the process settings of the parent applied first)."""
+    if threads:
+        torch.set_num_threads(threads)
+    if steady:
+        steady_malloc()
+    return _model_row(*args)
+
+
 def run(suites, methods, rounds: int, warmup: int, device: str, mode: str, autocast, progress: bool,
-        clock: str = "wall", batch_size: int | None = None, burst: int = 1) -> dict:
+        clock: str = "wall", batch_size: int | None = None, burst: int = 1, isolate: bool = False,
+        threads: int | None = None, steady: bool = False) -> dict:
+    """Every model of ``suites``; with ``isolate`` each in a fresh process: a ``torch.compile``-d
+    ``torch.func.jvp`` can leave the process in a state where every later ``torch.func.jvp`` fails with
+    ``InferenceMode::is_enabled() && primal.is_inference() ... INTERNAL ASSERT FAILED`` and tracing loses track of
+    tensors (seen on this CPU with torch 2.15 after compiling ResNet-18 and its ``torch.func.jvp``; whether it
+    happens depends on the Inductor cache), which would fail every method of the models after it."""
     from tqdm.auto import tqdm
 
-    specs = [(s, n, b, shp) for s in suites for n, (b, shp) in SUITES[s].items()]
+    specs = [(s, n) for s in suites for n in SUITES[s]]
     rows = []
-    for suite, name, build, shape in tqdm(specs, desc="bench capture", disable=not progress):
-        torch.manual_seed(0)
-        model = build().to(device)
-        model.train(mode == "train")
-        for p in model.parameters():
-            p.requires_grad_(False)
-        if batch_size:
-            shape = (batch_size, *shape[1:])
-        x = torch.randn(*shape, device=device)
-        row = bench_model(name, model, x, methods, rounds, warmup, autocast, clock, burst)
-        row["suite"], row["shape"] = suite, list(shape)
-        rows.append(row)
-        del model
-        if device != "cpu":
-            torch.cuda.empty_cache()
+    if isolate:
+        import concurrent.futures
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        for suite, name in tqdm(specs, desc="bench capture", disable=not progress):
+            args = (suite, name, methods, rounds, warmup, device, mode, autocast, clock, batch_size, burst)
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+                try:
+                    rows.append(pool.submit(_isolated_row, args, threads, steady).result())
+                except Exception as err:  # noqa: BLE001 - a crashed process: recorded, never fatal
+                    rows.append({"model": name, "suite": suite, "times": {}, "rel_diff": {},
+                                 "errors": {"process": f"{type(err).__name__}: {str(err)[:200]}"}})
+    else:
+        for suite, name in tqdm(specs, desc="bench capture", disable=not progress):
+            rows.append(_model_row(suite, name, methods, rounds, warmup, device, mode, autocast, clock, batch_size,
+                                   burst))
+            if device != "cpu":
+                torch.cuda.empty_cache()
     summary = {}
     for suite in suites:
         rs = [r for r in rows if r["suite"] == suite]
@@ -269,7 +305,8 @@ def to_markdown(result: dict, meta: dict) -> str:
              f"{meta['machine']['torch_threads']}), GPU: {meta['machine']['gpu'] or 'none'}, torch "
              f"{meta['machine']['torch']}; load average before the run: {meta['load']}  ",
              f"Medians of {meta['rounds']} interleaved rounds (methods in a fresh random order each round) after "
-             f"{meta['warmup']} warm-up runs ({meta['clock']} clock); "
+             f"{meta['warmup']} warm-up runs ({meta['clock']} clock"
+             + ("; each model in a fresh process" if meta.get("isolated") else "") + "); "
              + ("each time is one call, which follows other methods' work (cold caches); "
                 if meta.get("burst", 1) == 1 else
                 f"each time is the mean of {meta['burst']} back-to-back calls (warm caches); ")
@@ -315,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-malloc", action="store_true", help="never-trimmed heap (no page-fault noise on CPU)")
     ap.add_argument("--out", default="experiments/results/bench_capture_{device}", help="output prefix (.md, .json)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-isolate", action="store_true",
+                    help="run every model in this process (by default each runs in a fresh one when torch.compile "
+                         "methods are included: a compiled torch.func.jvp can break the models after it)")
     args = ap.parse_args(argv)
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -331,11 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     load = load_average()
     if args.burst < 1:
         ap.error(f"--burst: expected a positive number of calls, got {args.burst}")
+    isolate = not args.no_isolate and any(m in COMPILE_METHODS for m in methods)
     result = run(suites, methods, args.rounds, args.warmup, args.device, args.mode, autocast, not args.no_progress,
-                 args.clock, args.batch_size, args.burst)
+                 args.clock, args.batch_size, args.burst, isolate=isolate, threads=args.threads,
+                 steady=args.steady_malloc)
     meta = {"command": command_line("python -m jvpreg.bench capture", argv), "machine": machine_description(args.device),
             "device": args.device, "mode": args.mode, "autocast": args.autocast if autocast else None,
             "rounds": args.rounds, "warmup": args.warmup, "burst": args.burst, "methods": methods, "clock": args.clock,
+            "isolated": isolate,
             "load": ", ".join(f"{v:.2f}" for v in load) if load else "n/a"}
     md = to_markdown(result, meta)
     print(md)
