@@ -339,65 +339,78 @@ def _ln_rows(a: torch.Tensor, mean: torch.Tensor):
 
 
 @_operator("layer_norm_tangent")
-def layer_norm_tangent(d: torch.Tensor, a: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                       normalized_shape: List[int], eps: float) -> torch.Tensor:
-    """LayerNorm's tangents ``t_j = r * (d_j - mean(d_j) - xhat * mean(d_j * xhat))`` (means over each row's
+def layer_norm_tangent(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
+                       rstd: torch.Tensor, normalized_shape: List[int], eps: float) -> torch.Tensor:
+    """LayerNorm's tangents ``t_j = gamma * r * (d_j - mean(d_j) - xhat * mean(d_j * xhat))`` (means over each row's
     trailing ``normalized_shape`` entries; ``mean``, ``rstd = r`` from ``native_layer_norm`` of the primal block
-    ``a``): the LayerNorm backward kernel (no weight) applied to each ``d_j``."""
-    return _stacked([_ln_backward(dj, a, normalized_shape, mean, rstd, None, None, [True, False, False])[0]
-                     for dj in d])
+    ``a``): the LayerNorm backward kernel (no weight) applied to each ``d_j``, times ``gamma``. The product is
+    part of the operator, so nothing but ``d`` and ``a`` is kept for backward (the plain step keeps the 2B input)."""
+    ts = [_ln_backward(dj, a, normalized_shape, mean, rstd, None, None, [True, False, False])[0] for dj in d]
+    return _stacked(ts if weight is None else [t.mul_(weight) for t in ts])
 
 
 @layer_norm_tangent.register_fake
-def _(d, a, mean, rstd, normalized_shape, eps):
+def _(d, a, weight, mean, rstd, normalized_shape, eps):
     return torch.empty_like(d)
 
 
 def _ln_tangent_backward(ctx, grad):
-    """Gradients of ``L = sum_j <g_j, t_j>`` w.r.t. ``d`` and ``a``: per row of ``N`` entries, with sums
-    ``S_x = sum(x)``, ``dbar = S_d / N``, ``c = S_dxhat / N``, ``k = r^2 / N``,
+    """Gradients of ``L = sum_j <g_j, t_j>`` w.r.t. ``d``, ``a`` and ``gamma``: per row of ``N`` entries, with
+    ``G = gamma g_j``, sums ``S_x = sum(x)``, ``dbar = S_d / N``, ``c = S_dxhat / N``, ``k = r^2 / N``,
 
-        dL/dd_j = LN_backward(g_j)    (t is r P(d) with P a symmetric projection)
-        dL/da   = sum_j k [xhat (3 c S_gxhat + dbar S_g - S_gd) + S_gxhat dbar + c S_g - S_gxhat d_j - N c g_j]
+        dL/dd_j = LN_backward(g_j; gamma)    (t is gamma r P(d) with P a symmetric projection)
+        dL/da   = sum_j k [xhat (3 c S_Gxhat + dbar S_G - S_Gd) + S_Gxhat dbar + c S_G - S_Gxhat d_j - N c G]
+        dL/dgamma = sum over rows of g_j * r P(d_j)
 
-    (:func:`_bn_tangent_backward`'s formulas per row, without a weight). Under ``create_graph``: autograd of the
-    tangent's primitive-op form with statistics recomputed from ``a`` (exact at every order; torch's double
-    backward of ``native_layer_norm_backward`` holds the statistics fixed in its own derivative)."""
+    (:func:`_bn_tangent_backward`'s formulas per row). Under ``create_graph``: autograd of the tangent's
+    primitive-op form with statistics recomputed from ``a`` (exact at every order; torch's double backward of
+    ``native_layer_norm_backward`` holds the statistics fixed in its own derivative)."""
     if grad is None:
-        return None, None, None, None, None, None
-    d, a, mean, rstd = ctx.saved_tensors
+        return None, None, None, None, None, None, None
+    d, a, weight, mean, rstd = ctx.saved_tensors
     shape, eps = ctx.setting
     if torch.is_grad_enabled():
-        wrt = [t for t in (d, a) if t.requires_grad]
-        got = iter(torch.autograd.grad(layer_norm_tangent_composite(d, a, len(shape), eps), wrt, grad,
-                                       create_graph=True, allow_unused=True))
-        return (next(got) if d.requires_grad else None, next(got) if a.requires_grad else None,
-                None, None, None, None)
+        inputs = [(i, x) for i, x in enumerate((d, a, weight)) if x is not None and x.requires_grad]
+        grads = torch.autograd.grad(layer_norm_tangent_composite(d, a, weight, len(shape), eps),
+                                    [x for _, x in inputs], grad, create_graph=True, allow_unused=True)
+        out = [None] * 7
+        for (i, _), g in zip(inputs, grads):
+            out[i] = g
+        return tuple(out)
     rows = mean.numel()
     n = a.numel() // rows if rows else 0
     r, mu = rstd.reshape(rows, 1), mean.reshape(rows, 1)
     xhat = (a.reshape(rows, n) - mu) * r
     k = r * r / n
     dot = torch.linalg.vecdot
-    grad_d, grad_a = [], None
+    need_w = weight is not None and ctx.needs_input_grad[2]
+    grad_d, grad_a, grad_w = [], None, None
     for j in range(d.shape[0]):
         gj, dj = grad[j].reshape(rows, n), d[j].reshape(rows, n)
-        grad_d.append(_ln_backward(grad[j], a, shape, mean, rstd, None, None, [True, False, False])[0])
-        s_g, s_gx, s_gd = gj.sum(-1, keepdim=True), dot(gj, xhat).unsqueeze(-1), dot(gj, dj).unsqueeze(-1)
+        grad_d.append(_ln_backward(grad[j], a, shape, mean, rstd, weight, None, [True, False, False])[0])
+        if need_w:  # sum over rows of g_j * r P(d_j): the tangent without gamma, recomputed (not kept)
+            t = _ln_backward(d[j], a, shape, mean, rstd, None, None, [True, False, False])[0].reshape(rows, n)
+            gw = (gj * t).sum(0)
+            grad_w = gw if grad_w is None else grad_w.add_(gw)
+        big = gj if weight is None else gj * weight.reshape(1, n)
+        s_g, s_gx, s_gd = big.sum(-1, keepdim=True), dot(big, xhat).unsqueeze(-1), dot(big, dj).unsqueeze(-1)
         dbar, c = dj.mean(-1, keepdim=True), dot(dj, xhat).unsqueeze(-1) / n
         ga = (xhat * (k * (3 * c * s_gx + dbar * s_g - s_gd))).add_(k * (s_gx * dbar + c * s_g))
-        ga.addcmul_(k * s_gx, dj, value=-1).addcmul_(r * r * c, gj, value=-1)
+        ga.addcmul_(k * s_gx, dj, value=-1).addcmul_(r * r * c, big, value=-1)
         grad_a = ga if grad_a is None else grad_a.add_(ga)
-    return _stacked(grad_d), grad_a.reshape(a.shape), None, None, None, None
+    grad_w = None if grad_w is None else grad_w.reshape(weight.shape).to(weight.dtype)
+    return _stacked(grad_d), grad_a.reshape(a.shape), grad_w, None, None, None, None
 
 
-def layer_norm_tangent_composite(d: torch.Tensor, a: torch.Tensor, dims: int, eps: float) -> torch.Tensor:
+def layer_norm_tangent_composite(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], dims: int,
+                                 eps: float) -> torch.Tensor:
     """:func:`layer_norm_tangent`'s ``t`` from differentiable primitive ops over the trailing ``dims`` dims."""
     red = tuple(range(-dims, 0))
     var, mu = torch.var_mean(a, dim=red, correction=0, keepdim=True)
     r = torch.rsqrt(var + eps)
     xhat = (a - mu) * r
-    return r * (d - d.mean(red, keepdim=True) - xhat * (d * xhat).mean(red, keepdim=True))
+    t = r * (d - d.mean(red, keepdim=True) - xhat * (d * xhat).mean(red, keepdim=True))
+    return t if weight is None else t * weight
 
 
 def _keep_inputs_and_settings(ctx, inputs, output):

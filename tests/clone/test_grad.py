@@ -282,12 +282,12 @@ def test_train_batchnorm_keeps_a_primal_copy_not_the_2b_input(engine):
 @pytest.mark.parametrize("engine", ["eager", "captured"])
 @pytest.mark.parametrize("layer, extra_blocks", [
     (lambda: nn.ReLU(inplace=True), 1), (nn.ReLU, 1), (lambda: nn.LeakyReLU(0.1, inplace=True), 1),
-    (nn.GELU, 0), (nn.Tanh, 2), (lambda: nn.LayerNorm(16), 1)])
+    (nn.GELU, 0), (nn.Tanh, 2), (lambda: nn.LayerNorm(16), 0)])
 def test_rules_keep_no_more_than_their_extra_blocks_for_backward(layer, extra_blocks, engine):
     """Saved-for-backward bytes of Linear -> layer -> Linear vs the plain 2B forward's. relu-like rules keep
     relu(a) (one block), not a view or copy of the 2B-row input; a smooth op keeps ``a`` and ``d_j`` (the size
-    of the 2B input a plain forward keeps); LayerNorm also keeps its unscaled tangent for the weight's
-    gradient: one block; tanh keeps tanh(a) and d_j where a plain forward keeps only the output: two.
+    of the 2B input a plain forward keeps), and so does LayerNorm (its operator recomputes the unscaled tangent
+    for the weight's gradient); tanh keeps tanh(a) and d_j where a plain forward keeps only the output: two.
     (Eager mode also keeps the non-finite fix's bool mask, an eighth of a float64 block.)"""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), layer(), nn.Linear(16, 4)).to(D)

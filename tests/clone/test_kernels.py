@@ -156,28 +156,31 @@ def test_group_norm_tangent_second_order():
     assert torch.autograd.gradgradcheck(lambda *xs: _gn_tangent(*xs, 2), (d, a, w))
 
 
-def _ln_tangent(d, a, normalized_shape):
+def _ln_tangent(d, a, w, normalized_shape):
     _, mean, rstd = torch.native_layer_norm(a.detach(), normalized_shape, None, None, EPS)
-    return kernels.layer_norm_tangent(d, a, mean, rstd, list(normalized_shape), EPS)
+    return kernels.layer_norm_tangent(d, a, w, mean, rstd, list(normalized_shape), EPS)
 
 
-@pytest.mark.parametrize("shape, normalized_shape, blocks", [((3, 5, 6), (6,), 1), ((2, 4, 3, 5), (3, 5), 2),
-                                                             ((7, 4), (4,), 1)],
-                         ids=["tokens", "two-dims-two-tangents", "rows"])
-def test_layer_norm_tangent_values_gradients_and_second_order(shape, normalized_shape, blocks):
+@pytest.mark.parametrize("shape, normalized_shape, blocks, affine", [((3, 5, 6), (6,), 1, True),
+                                                                     ((2, 4, 3, 5), (3, 5), 2, True),
+                                                                     ((7, 4), (4,), 1, False)],
+                         ids=["tokens", "two-dims-two-tangents", "rows-no-weight"])
+def test_layer_norm_tangent_values_gradients_and_second_order(shape, normalized_shape, blocks, affine):
     """Against the primitive-op form with statistics recomputed from ``a``, to the second derivative: torch's double
     backward of ``native_layer_norm_backward`` (the rule's tangent before this operator) holds the statistics fixed
     in its own derivative, so ``gradgradcheck`` failed on it (a wrong Hessian-vector product of a penalty)."""
     torch.manual_seed(0)
     a = torch.randn(shape, dtype=D, requires_grad=True)
     d = torch.randn(blocks, *shape, dtype=D, requires_grad=True)
-    fn = lambda d_, a_: _ln_tangent(d_, a_, normalized_shape)
-    ref = lambda d_, a_: kernels.layer_norm_tangent_composite(d_, a_, len(normalized_shape), EPS)
-    torch.testing.assert_close(fn(d, a), ref(d, a), rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(fn, (d, a))
-    assert torch.autograd.gradgradcheck(fn, (d, a))
+    w = torch.randn(normalized_shape, dtype=D, requires_grad=True) if affine else None
+    inputs = (d, a, w) if affine else (d, a)
+    fn = lambda d_, a_, w_=None: _ln_tangent(d_, a_, w_, normalized_shape)
+    ref = lambda d_, a_, w_=None: kernels.layer_norm_tangent_composite(d_, a_, w_, len(normalized_shape), EPS)
+    torch.testing.assert_close(fn(*inputs), ref(*inputs), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
     g = torch.randn_like(d)
-    for x, y in zip(torch.autograd.grad(fn(d, a), (d, a), g), torch.autograd.grad(ref(d, a), (d, a), g)):
+    for x, y in zip(torch.autograd.grad(fn(*inputs), inputs, g), torch.autograd.grad(ref(*inputs), inputs, g)):
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
 
 
@@ -193,7 +196,8 @@ def test_direct_entries_cover_every_operator_and_match_it_bitwise():
     d = torch.randn(2, 3, 5, 6, dtype=D, requires_grad=True)
     _, mean, rstd = torch.native_layer_norm(a.detach(), [6], None, None, EPS)
     g = torch.randn_like(d)
-    cases = [(torch.ops.jvpreg.layer_norm_tangent.default, (d, a, mean, rstd, [6], EPS), (d, a), lambda o: o),
+    w = torch.randn(6, dtype=D, requires_grad=True)
+    cases = [(torch.ops.jvpreg.layer_norm_tangent.default, (d, a, w, mean, rstd, [6], EPS), (d, a, w), lambda o: o),
              (torch.ops.jvpreg.relu_blocks.default, (d,), (d,), lambda o: o[0])]
     for op, args, wrt, first in cases:
         want = first(op(*args))

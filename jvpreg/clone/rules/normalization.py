@@ -206,12 +206,12 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
     d = _delta(input, nonfinite=False)
     tan = None
     if d is not None:  # the normalisation's Jacobian is symmetric: its backward kernel (no weight) applied to d_j
-        if a.dtype in (torch.float32, torch.float64) and kernels.applies(input):
-            tan = kernels.layer_norm_tangent(raw(d).to(a.dtype), a, mean, rstd, list(normalized_shape), eps)
+        if a.dtype in (torch.float32, torch.float64) and kernels.applies(input) and (w0 is None or w0.dtype == a.dtype):
+            tan = kernels.layer_norm_tangent(raw(d).to(a.dtype), a, w0, mean, rstd, list(normalized_shape), eps)
         else:
             tan = each_block(lambda b: torch.ops.aten.native_layer_norm_backward(
                 b.to(a.dtype), a, normalized_shape, mean, rstd, None, None, [True, False, False])[0], d)
-        tan = tan if w0 is None else tan * w0
+            tan = tan if w0 is None else tan * w0
     if varies(weight) or varies(bias):  # xhat with differentiable statistics
         var, mu = torch.var_mean(a, dim=tuple(range(-len(normalized_shape), 0)), correction=0, keepdim=True)
         params = affine_tangent((a - mu) * torch.rsqrt(var + eps), weight, bias, lambda p: p)
