@@ -423,10 +423,15 @@ _register_autograd(layer_norm_tangent, _ln_tangent_backward, _keep_inputs_and_se
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, m: Optional[torch.Tensor], sc: float,
-                    causal: bool) -> torch.Tensor:
-    """``P = softmax(q k^T sc + mask)`` of the primal block (a bool mask or ``causal`` masks with ``-inf``)."""
+                    causal: bool, scale_scores: bool = False) -> torch.Tensor:
+    """``P = softmax(q k^T sc + mask)`` of the primal block (a bool mask or ``causal`` masks with ``-inf``).
+    The smaller of ``q`` and the scores is scaled, or the scores with ``scale_scores`` (under autograd, where another
+    product keeps ``q`` for backward anyway: ``q sc`` would be one more ``L x E`` tensor kept)."""
     L, S = q.shape[-2], k.shape[-2]
-    s = (q * sc) @ k.transpose(-2, -1) if S > q.shape[-1] else (q @ k.transpose(-2, -1)) * sc  # scale the smaller
+    if S > q.shape[-1] and not scale_scores:
+        s = (q * sc) @ k.transpose(-2, -1)
+    else:
+        s = (q @ k.transpose(-2, -1)) * sc
     if causal:
         s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=0), float("-inf"))
     if m is not None:

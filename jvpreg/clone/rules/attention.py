@@ -65,7 +65,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if dropout_p == 0 and dm is None and kernels.attention_recomputed(query if is_clone(query) else value, q, k):
         args = [None if t is None else raw(t) for t in (q, k, v, blocks, dq, dk, m)]
         return kernels.attention_blocks(*args, sc, is_causal, kk)
-    p = kernels.attention_probs(q, k, m, sc, is_causal)
+    p = kernels.attention_probs(q, k, m, sc, is_causal, scale_scores=dk is not None and q.requires_grad)
     return kernels.linearised_attention(p, q, k, v, blocks, dq, dk, dm if m is None or m.dtype != torch.bool else None,
                                         dropout_p, sc, kk)
 
