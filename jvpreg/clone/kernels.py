@@ -470,9 +470,10 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if ds is not None:  # dP = P * (dS - sum(P * dS)): softmax's backward kernel (its Jacobian is symmetric)
         dp = each_block(lambda b: torch.ops.aten._softmax_backward_data(b.expand_as(p), p, -1, p.dtype), ds)
         dpv = (dp if keep is None else dp * keep) @ v
-    if blocks is not None:  # [(P M) v; (P M) z_j]: the primal and the value's tangent in one product
-        out = pd @ blocks
-        return out if dpv is None else stack_blocks(out[0], out[1:] + dpv)
+    if blocks is not None:  # [(P M) v; (P M) z_j]: one product per value block (one product of P with all of
+        first, *rest = (pd @ z for z in blocks.unbind(0))  # them would keep a copy of P per block for backward)
+        rest = _stacked(rest) if dpv is None else _stacked(rest) + dpv
+        return stack_blocks(first, rest)
     out_a = pd @ v
     return tile(out_a, kk) if dpv is None else stack_blocks(out_a, out_a + dpv)
 
