@@ -21,10 +21,10 @@ recomputes the rest in its backward (one more forward of the attention, as activ
 weight) applied to ``d_j``, times gamma; torch has no derivative for that kernel, so the backward is written out
 (:func:`_gn_tangent_backward`).
 
-``jvpreg::layer_norm_tangent(d, a, mean, rstd, normalized_shape, eps)``: LayerNorm's, the LayerNorm backward kernel
-(no weight) applied to ``d_j``, its backward written out: torch's double backward of that kernel is exact to first
-order only (it holds the statistics fixed in its own derivative), which made Hessian-vector products of penalties
-through LayerNorm silently wrong.
+``jvpreg::layer_norm_tangent(d, a, gamma, mean, rstd, normalized_shape, eps)``: LayerNorm's, the LayerNorm backward
+kernel (no weight) applied to ``d_j``, times gamma, its backward written out: torch's double backward of that kernel
+is exact to first order only (it holds the statistics fixed in its own derivative), which made Hessian-vector
+products of penalties through LayerNorm silently wrong.
 
 Under ``create_graph`` the GroupNorm and LayerNorm operators differentiate their primitive-op form, with statistics
 recomputed from ``a`` (exact at every order).
