@@ -107,3 +107,28 @@ def test_batch_norm_second_derivative_raises_torchs_clear_error():
     g = torch.autograd.grad(jvpreg.jvp(net, (x,), (u,))[1].pow(2).sum(), params, create_graph=True)
     with pytest.raises(RuntimeError, match="3rd\\+ order"):
         torch.autograd.grad(sum(gi.sum() for gi in g), params)
+
+
+@pytest.mark.parametrize("layer", ["layer-norm", "group-norm", "gelu"])
+def test_hessian_vector_product_under_torch_func_transforms(layer):
+    """``grad(<grad(P), v>)`` with ``torch.func.grad`` nested: inside the transforms the rules take their
+    primitive-op path (jvpreg's operators have no functorch support); LayerNorm's took torch's kernel, whose double
+    backward is exact to first order only (off by 3.9 here)."""
+    from torch.func import functional_call, grad
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 24), LAYERS[layer](), nn.Tanh(), nn.Linear(24, 3)).to(D)
+    x, u = torch.randn(4, 5, dtype=D), torch.randn(4, 5, dtype=D)
+    params = {k: p.detach().clone() for k, p in net.named_parameters() if k != "3.bias"}
+    v = {k: torch.randn_like(p) for k, p in params.items()}
+
+    def penalty(p):
+        return jvpreg.jvp(lambda z: functional_call(net, p, (z,)), (x,), (u,), engine="eager")[1].pow(2).sum()
+
+    got = grad(lambda p: sum((g * v[k]).sum() for k, g in grad(penalty)(p).items()))(params)
+    h = 1e-6
+    plus = grad(penalty)({k: p + h * v[k] for k, p in params.items()})
+    minus = grad(penalty)({k: p - h * v[k] for k, p in params.items()})
+    for k in got:
+        want = (plus[k] - minus[k]) / (2 * h)
+        torch.testing.assert_close(got[k], want, rtol=1e-6, atol=1e-6 * float(want.abs().max()) + 1e-9, msg=k)

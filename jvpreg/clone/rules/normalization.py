@@ -206,8 +206,15 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
     d = _delta(input, nonfinite=False)
     tan = None
     if d is not None:  # the normalisation's Jacobian is symmetric: its backward kernel (no weight) applied to d_j
-        if a.dtype in (torch.float32, torch.float64) and kernels.applies(input) and (w0 is None or w0.dtype == a.dtype):
+        exact_dtype = a.dtype in (torch.float32, torch.float64) and (w0 is None or w0.dtype == a.dtype)
+        if exact_dtype and kernels.applies(input):
             tan = kernels.layer_norm_tangent(raw(d).to(a.dtype), a, w0, mean, rstd, list(normalized_shape), eps)
+        elif torch.is_grad_enabled() and (input.requires_grad or varies(weight)):
+            # torch.func transforms, compiling, other dtypes: differentiable statistics (torch's double backward of
+            # the kernel is exact to first order only), in at least float32
+            up = torch.promote_types(a.dtype, torch.float32)
+            tan = kernels.layer_norm_tangent_composite(d.to(up), a.to(up), None if w0 is None else w0.to(up),
+                                                       len(normalized_shape), eps).to(a.dtype)
         else:
             tan = each_block(lambda b: torch.ops.aten.native_layer_norm_backward(
                 b.to(a.dtype), a, normalized_shape, mean, rstd, None, None, [True, False, False])[0], d)
