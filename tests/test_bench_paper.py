@@ -248,6 +248,20 @@ def test_capture_benchmark_runs_each_model_in_a_fresh_process_when_isolated():
                for r in result["rows"])
 
 
+@pytest.mark.slow
+def test_capture_benchmark_records_a_model_whose_process_failed_and_still_writes_its_table():
+    from jvpreg.bench import capture
+
+    result = capture.run(["norm"], ["forward_2B", "captured"], rounds=1, warmup=0, device="cuda:99", mode="eval",
+                         autocast=None, progress=False, isolate=True)
+    (row,) = result["rows"]
+    assert list(row["errors"]) == ["process"] and row["shape"] == list(capture.SUITES["norm"]["resnet18_gn"][1])
+    meta = {"device": "cuda:99", "mode": "eval", "autocast": None, "command": "c", "load": "n/a", "rounds": 1,
+            "warmup": 0, "burst": 1, "methods": ["forward_2B", "captured"], "clock": "wall", "isolated": True,
+            "machine": {"cpu": "cpu", "cpu_cores": 1, "torch_threads": 1, "gpu": None, "torch": torch.__version__}}
+    assert "failures: process:" in capture.to_markdown(result, meta)
+
+
 def test_capture_benchmark_refuses_a_burst_below_one(capsys):
     from jvpreg.bench import capture
 

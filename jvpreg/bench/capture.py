@@ -280,7 +280,9 @@ def run(suites, methods, rounds: int, warmup: int, device: str, mode: str, autoc
                 try:
                     rows.append(pool.submit(_isolated_row, args, threads, steady).result())
                 except Exception as err:  # noqa: BLE001 - a crashed process: recorded, never fatal
+                    shape = SUITES[suite][name][1]
                     rows.append({"model": name, "suite": suite, "times": {}, "rel_diff": {},
+                                 "shape": [batch_size or shape[0], *shape[1:]],
                                  "errors": {"process": f"{type(err).__name__}: {str(err)[:200]}"}})
     else:
         for suite, name in tqdm(specs, desc="bench capture", disable=not progress):
