@@ -981,3 +981,8 @@ def test_self_attention_takes_the_lean_path_and_other_calls_torchs_decomposition
     for make in (mha_self(True), mha(True, False), mha_self(True, padding_mask=True)):
         jvpreg.jvp(make().to(D), (x,), (u,), engine="eager")
     assert taken == [True, False, False]
+    a = mha_self(True)().attn
+    with pytest.raises(AssertionError, match="expecting embedding dimension of 5"):  # a wrong size: torch's own error, not a reshape's
+        jvpreg.jvp(lambda z: F.multi_head_attention_forward(
+            z, z, z, 5, 2, a.in_proj_weight, a.in_proj_bias, None, None, False, 0.0, a.out_proj.weight,
+            a.out_proj.bias, need_weights=False)[0], (x.transpose(0, 1).float(),), (u.transpose(0, 1).float(),))

@@ -89,6 +89,8 @@ def _lean_self_attention(a: dict):
         return None
     heads = a["num_heads"]
     length, batch, dim = q.shape
+    if dim != a["embed_dim_to_check"] or dim % heads:
+        return None  # torch's path raises its own error
     p = a["dropout_p"] if a.get("training", True) else 0.0
     x = q.transpose(0, 1)                                                   # (N, L, E)
     qkv = F.linear(x, a["in_proj_weight"], a["in_proj_bias"]).unflatten(-1, (3, heads, dim // heads))
