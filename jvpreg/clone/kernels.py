@@ -150,12 +150,19 @@ def _fake_tangent_and_sums(d, a, weight, mean, rstd, _setting):
     return torch.empty_like(d), sums, torch.empty_like(sums)
 
 
-def _keep_inputs_and_sums(ctx, inputs, output):
-    """Save ``(d, a, weight, mean, rstd)`` and the two sums; the last input (eps or groups) as ``ctx.setting``."""
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.set_materialize_grads(False)  # no zero gradients for the sums
-    ctx.setting = inputs[-1]
-    ctx.save_for_backward(*inputs[:-1], output[1], output[2])
+def _keeping(settings: int, sums: bool) -> Callable:
+    """A normalisation tangent operator's ``setup_context``: save its tensor inputs (all but the trailing
+    ``settings`` ones, which become ``ctx.setting``: the one, or their tuple) and, with ``sums``, its two sum
+    outputs (not differentiable, and given no zero gradients)."""
+    def setup(ctx, inputs, output):
+        kept = ()
+        if sums:
+            ctx.mark_non_differentiable(output[1], output[2])
+            ctx.set_materialize_grads(False)
+            kept = (output[1], output[2])
+        ctx.setting = inputs[-1] if settings == 1 else inputs[-settings:]
+        ctx.save_for_backward(*inputs[:-settings], *kept)
+    return setup
 
 
 batch_norm_tangent.register_fake(_fake_tangent_and_sums)
@@ -216,7 +223,7 @@ def _bn_tangent_backward_graph(grad, d, a, weight, mean, invstd, eps):
     return tuple(out)
 
 
-_register_autograd(batch_norm_tangent, _bn_tangent_backward, _keep_inputs_and_sums)
+_register_autograd(batch_norm_tangent, _bn_tangent_backward, _keeping(1, sums=True))
 
 
 _gn_backward = torch.ops.aten.native_group_norm_backward.default
@@ -317,15 +324,7 @@ def _group_tangent_grads(grad, d, a, weight, mean, rstd, sum_dx, sum_d, groups):
     return _stacked(grad_d), grad_a.reshape(a.shape).to(a.dtype), grad_w
 
 
-def _keep_inputs_sums_and_settings(ctx, inputs, output):
-    """:func:`_keep_inputs_and_sums` for operators with two trailing settings (``ctx.setting`` their pair)."""
-    ctx.mark_non_differentiable(output[1], output[2])
-    ctx.set_materialize_grads(False)
-    ctx.setting = inputs[-2:]
-    ctx.save_for_backward(*inputs[:-2], output[1], output[2])
-
-
-_register_autograd(group_norm_tangent, _gn_tangent_backward, _keep_inputs_sums_and_settings)
+_register_autograd(group_norm_tangent, _gn_tangent_backward, _keeping(2, sums=True))
 
 
 _ln_backward = torch.ops.aten.native_layer_norm_backward.default
@@ -413,13 +412,7 @@ def layer_norm_tangent_composite(d: torch.Tensor, a: torch.Tensor, weight: Optio
     return t if weight is None else t * weight
 
 
-def _keep_inputs_and_settings(ctx, inputs, output):
-    """Save the tensor inputs; the two trailing settings as ``ctx.setting``."""
-    ctx.setting = inputs[-2:]
-    ctx.save_for_backward(*inputs[:-2])
-
-
-_register_autograd(layer_norm_tangent, _ln_tangent_backward, _keep_inputs_and_settings)
+_register_autograd(layer_norm_tangent, _ln_tangent_backward, _keeping(2, sums=False))
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, m: Optional[torch.Tensor], sc: float,
