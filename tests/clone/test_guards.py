@@ -100,18 +100,24 @@ class BranchOnSign(nn.Module):
         return torch.relu(h) if h.sum() > 0 else torch.tanh(h)
 
 
+def _jvp_on_branch(model: BranchOnSign, x, u, sign: float) -> None:
+    """Push the branch's sum to ``sign`` (the bias), then ``jvpreg.jvp`` with no capture warning, exact against
+    ``torch.func.jvp``."""
+    with torch.no_grad():
+        model.lin.bias.fill_(10.0 * sign)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JVPCaptureWarning)
+        _, t = jvpreg.jvp(model, (x,), (u,))
+    torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1], rtol=1e-12, atol=1e-12)
+
+
 def test_a_branch_on_a_value_gets_one_program_per_branch_and_reuses_them():
     torch.manual_seed(0)
     model = BranchOnSign().to(D)
     x, u = randn(3, 4), randn(3, 4)
     calls = []
     for sign in (1.0, -1.0, 1.0, -1.0, 1.0):
-        with torch.no_grad():
-            model.lin.bias.fill_(10.0 * sign)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", JVPCaptureWarning)
-            _, t = jvpreg.jvp(model, (x,), (u,))
-        torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1], rtol=1e-12, atol=1e-12)
+        _jvp_on_branch(model, x, u, sign)
         calls.append(len(_program(model).variants))
     assert calls == [0, 1, 1, 1, 1]
     prog = _program(model)
@@ -283,12 +289,7 @@ def test_auto_records_a_program_for_other_values_only_when_they_recur(monkeypatc
     x, u = randn(3, 4), randn(3, 4)
     variants = []
     for sign in (1.0, 1.0, -1.0, 1.0, -1.0, -1.0):
-        with torch.no_grad():
-            model.lin.bias.fill_(10.0 * sign)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", JVPCaptureWarning)
-            _, t = jvpreg.jvp(model, (x,), (u,))
-        torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1], rtol=1e-12, atol=1e-12)
+        _jvp_on_branch(model, x, u, sign)
         progs = capture.programs(model)
         variants.append(len(next(iter(progs.values())).variants) if progs else None)
     # eager, captured, eager (new value), replayed, captured (the value recurred), replayed
