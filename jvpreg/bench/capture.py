@@ -3,7 +3,7 @@
 Side by side in one process, per model: the plain forward of the B and 2B-row batches (the
 physical limit of a clone JVP is the 2B forward), ``jvpreg.jvp`` with ``engine="eager"``,
 ``"captured"`` and ``"compiled"``, the ``torch.compile``-d 2B forward (the limit for the compiled
-engine), ``torch.func.jvp``, forward-mode AD, and ``torch.compile(torch.func.jvp)``. Repeats are
+engine, compiled with the same Inductor options: :func:`jvpreg.clone.capture.inductor_options`), ``torch.func.jvp``, forward-mode AD, and ``torch.compile(torch.func.jvp)``. Repeats are
 *interleaved* (one run of every method per round, in a fresh random order each round), so slow drifts
 of a shared machine hit every method alike and no method always runs right after the one that warmed
 its caches (``forward_B`` before ``forward_2B`` ran the same code on the same weights: a fixed order
@@ -29,10 +29,15 @@ from torch import nn
 import jvpreg
 from jvpreg.bench.report import command_line, geo_mean, load_average, md_table, steady_malloc, write_results
 from jvpreg.bench.timing import machine_description, sync
+from jvpreg.clone.capture import inductor_options
 
 METHODS = ("forward_B", "forward_2B", "eager", "captured", "compiled_forward_2B", "compiled",
            "torch.func.jvp", "forward_ad", "compiled_torch.func.jvp")
-COMPILE_METHODS = ("compiled_forward_2B", "compiled", "compiled_torch.func.jvp")
+#: ``compiled_forward_2B_default``: the 2B forward under ``torch.compile``'s default Inductor options (what a user's
+#: ``torch.compile(model)`` runs); ``compiled_forward_2B`` and ``compiled_torch.func.jvp`` use the compiled engine's
+#: (:func:`jvpreg.clone.capture.inductor_options`), so the ratios compare like with like.
+OPTIONAL_METHODS = ("compiled_forward_2B_default",)
+COMPILE_METHODS = ("compiled_forward_2B", "compiled", "compiled_torch.func.jvp", "compiled_forward_2B_default")
 
 
 class _Recurrent(nn.Module):
@@ -146,11 +151,15 @@ def method_fns(model: nn.Module, x: torch.Tensor, u: torch.Tensor, methods) -> D
         "torch.func.jvp": lambda: torch.func.jvp(model, (x,), (u,)),
         "forward_ad": lambda: _forward_ad(model, x, u),
     }
+    options = inductor_options(x.device.type)  # the compiled engine's Inductor options, for a like-for-like ratio
     if "compiled_forward_2B" in methods:
-        compiled_model = torch.compile(model, dynamic=False)
+        compiled_model = torch.compile(model, dynamic=False, options=options)
         fns["compiled_forward_2B"] = lambda: compiled_model(x2)
+    if "compiled_forward_2B_default" in methods:
+        default_model = torch.compile(model, dynamic=False)
+        fns["compiled_forward_2B_default"] = lambda: default_model(x2)
     if "compiled_torch.func.jvp" in methods:
-        cj = torch.compile(lambda a, b: torch.func.jvp(model, (a,), (b,)), dynamic=False)
+        cj = torch.compile(lambda a, b: torch.func.jvp(model, (a,), (b,)), dynamic=False, options=options)
         fns["compiled_torch.func.jvp"] = lambda: cj(x, u)
     return {m: fns[m] for m in methods}
 
@@ -312,7 +321,10 @@ def to_markdown(result: dict, meta: dict) -> str:
              + ("each time is one call, which follows other methods' work (cold caches); "
                 if meta.get("burst", 1) == 1 else
                 f"each time is the mean of {meta['burst']} back-to-back calls (warm caches); ")
-             + "times in ms; float32.", ""]
+             + "times in ms; float32."
+             + (f" The compiled methods use the compiled engine's Inductor options ({meta['inductor_options']}; "
+                "`compiled_forward_2B_default`: torch.compile's defaults)." if meta.get("inductor_options") else ""),
+             ""]
     headers = ["model", "input"] + list(methods) + ["eager / fwd 2B", "captured / fwd 2B",
                                                     "compiled / compiled fwd 2B", "fastest autodiff / best clone"]
     table = []
@@ -338,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m jvpreg.bench capture", description=__doc__.splitlines()[0])
     ap.add_argument("--suites", default="small,rnn,large", help=f"comma-separated, of {', '.join(SUITES)}")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of " + ", ".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of " + ", ".join(METHODS + OPTIONAL_METHODS))
     ap.add_argument("--no-compile", action="store_true", help="drop the torch.compile methods (minutes of compiling)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -360,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [s for s in suites if s not in SUITES] + [m for m in methods if m not in METHODS]
+    bad = [s for s in suites if s not in SUITES] + [m for m in methods if m not in METHODS + OPTIONAL_METHODS]
     if bad:
         ap.error(f"unknown suite or method: {', '.join(bad)}")
     if args.no_compile:
@@ -380,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": command_line("python -m jvpreg.bench capture", argv), "machine": machine_description(args.device),
             "device": args.device, "mode": args.mode, "autocast": args.autocast if autocast else None,
             "rounds": args.rounds, "warmup": args.warmup, "burst": args.burst, "methods": methods, "clock": args.clock,
+            "inductor_options": (inductor_options(args.device) or "torch.compile's defaults")
+            if any(m in COMPILE_METHODS for m in methods) else None,
             "isolated": isolate,
             "load": ", ".join(f"{v:.2f}" for v in load) if load else "n/a"}
     md = to_markdown(result, meta)

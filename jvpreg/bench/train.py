@@ -12,7 +12,7 @@ training step (zero_grad, forward, backward, SGD step) per method and writes Mar
   steps take the eager one and the capture); ``clone_eager`` and
   ``clone_compiled`` force the eager and the compiled engines (:mod:`jvpreg.clone.capture`).
 * ``plain_compiled``: the plain step with the model under ``torch.compile`` (the reference for
-  ``clone_compiled``).
+  ``clone_compiled``, with the compiled engine's Inductor options: :func:`jvpreg.clone.capture.inductor_options`).
 * ``double_backprop``: Hoffman et al. 2019 (facebookresearch/jacobian_regularizer): a random unit
   output projection ``v`` per sample, ``vᵀJ`` by ``autograd.grad(create_graph=True)``, penalty
   ``C ||vᵀJ||² / (2B)``, then the backward through that graph.
@@ -58,6 +58,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..callbacks.shared import SharedForward
+from ..clone.capture import inductor_options
 from ..losses import JacobianFrobenius
 from . import memory, report
 from .timing import machine_description, measure
@@ -124,7 +125,8 @@ class Step:
         self.method, self.initial, self.x, self.y, self.u = method, model, x, y, u
         self.model = copy.deepcopy(model).train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
-        self.forward = torch.compile(self.model) if method == "plain_compiled" else self.model
+        self.forward = (torch.compile(self.model, options=inductor_options(x.device.type))  # as the compiled engine
+                        if method == "plain_compiled" else self.model)
         self.shared = self._shared(self.model)
         self.random_penalty = JacobianFrobenius(1)
 
