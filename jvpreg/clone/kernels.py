@@ -87,11 +87,16 @@ def _register_autograd(op: Any, backward: Callable, setup_context: Callable) -> 
 
 def applies(t: torch.Tensor) -> bool:
     """Whether a rule may call these operators on ``t``: under autograd, outside ``torch.func`` transforms (the
-    operators' autograd has no functorch support), on a plain or clone tensor (not a DTensor: no sharding rule)."""
-    from .tensor import CloneTensor, compiling
+    operators' autograd has no functorch support), on a plain or clone tensor (not a DTensor: no sharding rule).
+
+    Also in programs for ``engine="compiled"``, where Inductor calls them as opaque kernels: on this CPU the
+    compiled engine's ResNet-18 training step (train-mode BatchNorm, batch 32) took 120 ms with them and 143 ms
+    with Inductor's own fusion of the decomposed rules (the relu pattern saved as bools made the difference;
+    the 4-layer ViT and the 784-200-200-10 MLP were unchanged within noise)."""
+    from .tensor import CloneTensor
 
     return (torch.is_grad_enabled() and t.requires_grad and type(t) in (torch.Tensor, CloneTensor)
-            and torch._C._functorch.peek_interpreter_stack() is None and not compiling())
+            and torch._C._functorch.peek_interpreter_stack() is None)
 
 
 @_operator("relu_blocks")

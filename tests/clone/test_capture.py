@@ -484,6 +484,37 @@ def test_compiled_engine_equals_captured():
             torch.testing.assert_close(p.grad, p2.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
+def test_compiled_engine_calls_jvpregs_operators_under_autograd(monkeypatch):
+    """Under autograd the compiled program calls jvpreg's operators (relu pattern as bools, BatchNorm and
+    LayerNorm tangents with written-out backwards) as opaque kernels: same JVP, gradients and running statistics
+    as the captured engine, on CPU programs compiled without Inductor's layout optimisation."""
+    from jvpreg.clone.rules import cpa
+
+    monkeypatch.setattr(cpa, "BOOL_MASK_NUMEL", 1)  # the bool-pattern relu on small blocks too
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).to(D).train()
+    x, u = randn(5, 3, 6, 6), randn(5, 3, 6, 6)
+    m2 = copy.deepcopy(model)
+    for _ in range(2):
+        model.zero_grad(), m2.zero_grad()
+        y, t = jvpreg.jvp(model, (x,), (u,), engine="compiled")
+        y2, t2 = jvpreg.jvp(m2, (x,), (u,), engine="captured")
+        torch.testing.assert_close(t, t2, rtol=1e-10, atol=1e-12)
+        (t.pow(2).sum() + y.sum()).backward()
+        (t2.pow(2).sum() + y2.sum()).backward()
+        for p, p2 in zip(model.parameters(), m2.parameters()):
+            torch.testing.assert_close(p.grad, p2.grad, rtol=1e-10, atol=1e-12)
+    for b, b2 in zip(model.buffers(), m2.buffers()):  # Inductor's own reduction order: equal up to rounding
+        torch.testing.assert_close(b, b2, rtol=1e-13, atol=1e-15)
+    prog = next(p for p in capture.programs(model).values() if p.compiled is not None)
+    ops = {str(n.target) for n in prog.gm.graph.nodes if str(n.target).startswith("jvpreg.")}
+    assert {"jvpreg.relu_blocks.default", "jvpreg.batch_norm_tangent.default",
+            "jvpreg.layer_norm_tangent.default"} <= ops, ops
+    assert capture.inductor_options("cpu") == {"layout_optimization": False}
+
+
 def test_engine_argument_is_validated():
     with pytest.raises(ValueError, match=r"jvpreg.jvp\(func, primals, tangents\): expected engine to be one of"):
         jvpreg.jvp(nn.Linear(2, 2), (torch.randn(1, 2),), (torch.randn(1, 2),), engine="fast")

@@ -63,8 +63,8 @@ def relu(input, inplace=False):
     :func:`jvpreg.clone.kernels.relu_blocks`, which saves the pattern as a bool block rather than a float one
     (the saved bytes of a relu network: 2.0x the plain forward's instead of 2.3x). Smaller blocks keep the float
     pattern: there the operator's ~25 µs of Python per call (forward and backward) would cost more than the
-    ~100 KiB it saves (+9% on a 784-200-200-10 MLP's step at batch 64). Not when compiling (Inductor fuses the
-    plain kernel and plans the saved tensors itself), nor where :func:`jvpreg.clone.kernels.applies` says no.
+    ~100 KiB it saves (+9% on a 784-200-200-10 MLP's step at batch 64). Not where
+    :func:`jvpreg.clone.kernels.applies` says no.
     """
     if input[0].numel() >= BOOL_MASK_NUMEL and kernels.applies(input):
         return relu_blocks(raw(input))[0]

@@ -132,8 +132,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
 
 def _written_out_backward(x: torch.Tensor, a: torch.Tensor) -> bool:
     """Use :func:`jvpreg.clone.kernels.batch_norm_tangent` (its backward written out): float32/64, where
-    :func:`jvpreg.clone.kernels.applies` (under autograd; not compiling: Inductor differentiates the kernel's
-    decomposition itself)."""
+    :func:`jvpreg.clone.kernels.applies` (under autograd)."""
     return a.dtype in (torch.float32, torch.float64) and kernels.applies(x)
 
 
@@ -210,7 +209,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
         if exact_dtype and kernels.applies(input):
             tan = kernels.layer_norm_tangent(raw(d).to(a.dtype), a, w0, mean, rstd, list(normalized_shape), eps)
         elif torch.is_grad_enabled() and (input.requires_grad or varies(weight)):
-            # torch.func transforms, compiling, other dtypes: differentiable statistics (torch's double backward of
+            # torch.func transforms, other dtypes: differentiable statistics (torch's double backward of
             # the kernel is exact to first order only), in at least float32
             up = torch.promote_types(a.dtype, torch.float32)
             tan = kernels.layer_norm_tangent_composite(d.to(up), a.to(up), None if w0 is None else w0.to(up),
