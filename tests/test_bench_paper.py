@@ -293,6 +293,25 @@ def test_train_benchmark_writes_time_and_memory_ratios(tmp_path):
         assert rows["clone"]["live_vs_plain"] > 1.0 and "live vs plain" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
+def test_train_benchmark_compares_double_backprop_with_the_compiled_engine(tmp_path):
+    """torch.compile has no double backward, so double backprop's best is eager: the row of the compiled attempt
+    records torch's refusal, and the target compares eager double backprop with the compiled clone step."""
+    from jvpreg.bench import train
+
+    out = tmp_path / "train"
+    assert train.main(["--models", "mlp:8", "--methods", "plain,clone,clone_compiled,double_backprop,"
+                       "double_backprop_compiled", "--repeats", "2", "--warmup", "1", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["method"]: r for r in result["results"]}
+    assert rows["double_backprop_compiled"]["status"] != "ok"
+    assert "double backward" in rows["double_backprop_compiled"]["error"]
+    (t,) = [t for t in result["targets"] if t["target"] == "double backprop >= 1.5x compiled clone step"]
+    assert t["value"] == pytest.approx(rows["double_backprop"]["median_s"] / rows["clone_compiled"]["median_s"])
+    md = out.with_suffix(".md").read_text()
+    assert "nan" not in md  # no plain_2b in this run: its ratio cells are empty
+
+
 def test_peak_live_bytes_counts_a_temporary_and_not_what_was_live_before():
     from jvpreg.bench.memory import peak_live_bytes
 
