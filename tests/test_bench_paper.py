@@ -236,6 +236,15 @@ def test_capture_benchmark_writes_ratios_and_checks_every_engine(tmp_path):
 
 
 @pytest.mark.slow
+def test_capture_benchmark_checks_against_the_eager_engine_also_when_it_is_not_timed():
+    from jvpreg.bench import capture
+
+    result = capture.run(["small"], ["forward_2B", "captured"], rounds=1, warmup=0, device="cpu", mode="eval",
+                         autocast=None, progress=False, clock="cpu", isolate=False, threads=1)
+    assert all(r["rel_diff"] == {"captured": 0.0} and "eager" not in r["times"] for r in result["rows"])
+
+
+@pytest.mark.slow
 def test_capture_benchmark_runs_each_model_in_a_fresh_process_when_isolated():
     """``isolate`` (the default with torch.compile methods): one spawned process per model, the parent's thread
     count applied there; the rows are those of an in-process run."""

@@ -180,6 +180,11 @@ def bench_model(name: str, model: nn.Module, x: torch.Tensor, methods, rounds: i
     row = {"model": name, "times": {}, "errors": {}, "rel_diff": {}}
     live: Dict[str, Callable[[], object]] = {}
     ref = None
+    if "eager" not in fns:  # the reference of the check, untimed
+        with torch.no_grad(), (ctx() if ctx else _null()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            ref = _jvp_of(jvpreg.jvp(model, (x,), (u,), engine="eager"))
     for meth, fn in fns.items():  # first call: captures / compiles, checks, warms up
         try:
             with torch.no_grad(), (ctx() if ctx else _null()), warnings.catch_warnings():
