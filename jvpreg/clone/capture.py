@@ -11,7 +11,8 @@ updates happen on the live buffers, and random ops (one dropout mask for all blo
 numbers on every call. ``engine="auto"`` (the default for modules) runs the first call of a new signature in
 eager clone mode and captures on the second (:data:`EAGER_CALLS_BEFORE_CAPTURE`); ``engine="captured"``
 captures on the first. ``engine="compiled"`` hands the same program to
-``torch.compile`` so Inductor fuses the clone rules with the model's ops. :func:`jvpreg.jvp` records its
+``torch.compile`` so Inductor fuses the clone rules with the model's ops (jvpreg's own operators stay opaque
+kernels; on the CPU without layout optimisation: :func:`inductor_options`). :func:`jvpreg.jvp` records its
 whole call as one program: ``(x, u, s) -> (f(x), J u)``, the packing ``[x; x + s u]`` and the unpacking
 ``(y_1 - y_0) / s`` included, so a replay runs no Python between them.
 
