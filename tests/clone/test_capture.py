@@ -485,13 +485,10 @@ def test_compiled_engine_equals_captured():
 
 
 @pytest.mark.slow
-def test_compiled_engine_calls_jvpregs_operators_under_autograd(monkeypatch):
-    """Under autograd the compiled program calls jvpreg's operators (relu pattern as bools, BatchNorm and
-    LayerNorm tangents with written-out backwards) as opaque kernels: same JVP, gradients and running statistics
-    as the captured engine, on CPU programs compiled without Inductor's layout optimisation."""
-    from jvpreg.clone.rules import cpa
-
-    monkeypatch.setattr(cpa, "BOOL_MASK_NUMEL", 1)  # the bool-pattern relu on small blocks too
+def test_compiled_engine_calls_jvpregs_operators_under_autograd():
+    """Under autograd a program compiled for the CPU calls jvpreg's operators (relu pattern as bools, on blocks of
+    any size; BatchNorm and LayerNorm tangents with written-out backwards) as opaque kernels: same JVP, gradients
+    and running statistics as the captured engine, compiled without Inductor's layout optimisation."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
                           nn.Linear(4 * 6 * 6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).to(D).train()

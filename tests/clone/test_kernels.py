@@ -205,3 +205,17 @@ def test_direct_entries_cover_every_operator_and_match_it_bitwise():
         assert torch.equal(got, want)
         for x, y in zip(torch.autograd.grad(got, wrt, g), torch.autograd.grad(want, wrt, g)):
             assert torch.equal(x, y)
+
+
+def test_operators_apply_under_autograd_and_in_programs_compiled_for_the_cpu_only(monkeypatch):
+    """Compiled programs call the operators on the CPU (Inductor's bool-mask stores are slow there); on other
+    devices they leave the decomposed rules to Inductor's fusion."""
+    from jvpreg.clone import tensor
+
+    cpu, meta = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True, device="meta")
+    assert kernels.applies(cpu) and kernels.applies(meta)
+    assert not kernels.applies(torch.ones(3))  # no graph to differentiate
+    with torch.no_grad():
+        assert not kernels.applies(cpu)
+    monkeypatch.setattr(tensor, "compiling", lambda: True)  # a capture for engine="compiled"
+    assert kernels.applies(cpu) and not kernels.applies(meta)
