@@ -26,9 +26,11 @@ def _loader(n=16, seed=0):
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
 
 
-def _fit(net, engine, compiled=False, steps=2):
+def _fit(net, engine, compiled=None, steps=2):
     torch.manual_seed(0)
-    lit = Lit(torch.compile(net, backend="eager") if compiled else net).to(F64)
+    if compiled == "in-place":
+        net.compile(backend="eager")
+    lit = Lit(torch.compile(net, backend="eager") if compiled == "wrapped" else net).to(F64)
     grads = GradCapture()
     regs = [JacobianRegularizer(weight=0.5, n_projections=2, seed=0, engine=engine),
             TangentPropRegularizer(weight=0.1, transforms=("translate_x",), engine=engine)]
@@ -36,8 +38,10 @@ def _fit(net, engine, compiled=False, steps=2):
     return lit, grads.grads
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["plain-net", "compiled-net"])
+@pytest.mark.parametrize("compiled", [None, "wrapped", "in-place"],
+                         ids=["plain-net", "compiled-net", "net-compiled-in-place"])
 def test_captured_callbacks_give_the_eager_gradients(compiled):
+    """torch.compile(net) and net.compile(): the callbacks clone the original code (the compiled engine by default)."""
     torch.manual_seed(0)
     net = cnn_bn().to(F64)
     lit, grads = _fit(copy.deepcopy(net), "auto", compiled=compiled)
@@ -45,10 +49,12 @@ def test_captured_callbacks_give_the_eager_gradients(compiled):
     assert len(grads) == len(grads_e) == 2
     for step, (g, g_e) in enumerate(zip(grads, grads_e)):
         for name, value in g_e.items():
-            torch.testing.assert_close(g[name.replace("net.", "net._orig_mod.") if compiled else name], value,
-                                       rtol=1e-10, atol=1e-12, msg=lambda m: f"step {step} {name}: {m}")
+            key = name.replace("net.", "net._orig_mod.") if compiled == "wrapped" else name
+            torch.testing.assert_close(g[key], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"step {step} {name}: {m}")
     progs = capture.programs(lit)
     assert progs and all(p.gm is not None for p in progs.values())
+    if compiled == "in-place":
+        assert capture.compiled_in_place(lit.net)  # restored after every armed call
 
 
 def test_regularizers_must_agree_on_the_engine():

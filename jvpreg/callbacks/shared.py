@@ -77,7 +77,8 @@ class SharedForward:
             a dict passed at ``input_index``.
         engine: how the cloned call runs (see :func:`jvpreg.jvp`): ``"auto"``/``"captured"`` replay
             a captured program, ``"compiled"`` runs it under ``torch.compile``, ``"eager"`` forces
-            op-by-op clone mode. ``torch.compile``-d submodules run their original code in the clone.
+            op-by-op clone mode. ``torch.compile``-d submodules (and modules compiled in place by
+            ``module.compile()``) run their original code in the clone.
 
     Example::
 
@@ -97,6 +98,7 @@ class SharedForward:
         self.input_index = input_index
         self.input_key = input_key
         self._terms: Optional[List[Term]] = None
+        self._compiled_call: Optional[Any] = None
         self._targets: Optional[List[Any]] = None
         self._plan: Optional[Plan] = None
         self._cm = None
@@ -133,6 +135,8 @@ class SharedForward:
             return capture.call(target, args, kwargs, engine=self.engine, fn=fn)
 
         self.module.forward = forward
+        if capture.compiled_in_place(self.module):  # module.compile(): Dynamo would take the call before `forward`
+            self._compiled_call, self.module._compiled_call_impl = self.module._compiled_call_impl, None
 
     def disarm(self) -> None:
         """Forget the armed terms and results; restore swapped parameters if a forward failed midway."""
@@ -142,6 +146,8 @@ class SharedForward:
             if self._own_forward is not None:
                 self.module.forward = self._own_forward
             self._orig_forward = self._own_forward = None
+        if self._compiled_call is not None:
+            self.module._compiled_call_impl, self._compiled_call = self._compiled_call, None
         self._terms = self._targets = self._plan = self.plan = self.values = self.batch_size = None
         self._depth = 0
         self.fired = False

@@ -139,9 +139,15 @@ def _orig_of(mod: Any) -> Any:
     return getattr(mod, "_orig_mod", None) if type(mod).__name__ == "OptimizedModule" else None
 
 
+def compiled_in_place(module: Any) -> bool:
+    """True for a module compiled by ``module.compile()``: its ``__call__`` runs a compiled ``_call_impl``
+    (the module and its ``state_dict`` keys stay as they were, unlike ``torch.compile(module)``)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def is_compiled(func: Any) -> bool:
-    """True for a ``torch.compile``-d module or function."""
-    return unwrap_compiled(func) is not func
+    """True for a ``torch.compile``-d module or function, or a module compiled in place (``module.compile()``)."""
+    return unwrap_compiled(func) is not func or (isinstance(func, nn.Module) and compiled_in_place(func))
 
 
 def unwrap_compiled(func: Any) -> Any:
@@ -156,14 +162,17 @@ def unwrap_compiled(func: Any) -> Any:
 
 @contextlib.contextmanager
 def uncompiled(module: Any):
-    """Inside: every ``torch.compile``-d submodule of ``module`` is its original module.
+    """Inside: every ``torch.compile``-d submodule of ``module`` is its original module, and every module
+    compiled in place (``module.compile()``, ``module`` itself included) calls its plain ``_call_impl``.
 
     Dynamo cannot trace a clone batch (its tensors report the primal's shape); the clone forward
     runs the original modules, and ``engine="compiled"`` compiles the captured clone program instead.
     """
-    swaps = []
+    swaps, in_place = [], []
     if isinstance(module, nn.Module):
         for sub in module.modules():
+            if compiled_in_place(sub):
+                in_place.append((sub, sub._compiled_call_impl))
             for name, child in sub._modules.items():
                 orig = _orig_of(child)
                 if orig is not None:
@@ -171,10 +180,14 @@ def uncompiled(module: Any):
     try:
         for store, name, _, orig in swaps:
             store[name] = orig
+        for sub, _ in in_place:
+            sub._compiled_call_impl = None
         yield
     finally:
         for store, name, child, _ in swaps:
             store[name] = child
+        for sub, compiled in in_place:
+            sub._compiled_call_impl = compiled
 
 
 def resolve_engine(engine: str, func: Any, where: str) -> str:

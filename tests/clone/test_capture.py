@@ -439,6 +439,25 @@ def test_compiled_module_runs_its_original_code_exactly():
     assert torch.isfinite(pen)
 
 
+def test_module_compiled_in_place_runs_its_original_code_exactly():
+    """``module.compile()`` (the module keeps its class and state_dict keys; its __call__ runs a compiled
+    _call_impl): every engine clones the original code, "auto" picks the compiled engine, and the module is still
+    compiled afterwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 2)).to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    _, t_ref = torch.func.jvp(model, (x,), (u,))
+    model.compile(backend="eager")
+    model[2].compile(backend="eager")  # a submodule compiled in place too
+    assert capture.resolve_engine("auto", model, "test") == "compiled"
+    for engine in ("eager", "captured", "auto"):
+        _, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+        torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-12)
+    assert capture.compiled_in_place(model) and capture.compiled_in_place(model[2])
+    out, pen = regularized_forward(model, x, JacobianFrobenius(seed=0))
+    assert torch.isfinite(pen) and capture.compiled_in_place(model)
+
+
 @pytest.mark.slow
 def test_compiled_engine_records_its_own_program_for_recurrent_layers():
     """The LSTM rule picks its fewest-ops form (torch's fused kernel for the primal, the tangent step by step)
