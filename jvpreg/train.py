@@ -321,6 +321,11 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     net = instantiate(cfg.model)
     if source is not None:
         _check_external_input(cfg, net)
+    if cfg.get("compile"):  # in place: checkpoints keep their keys; the callbacks use the compiled clone engine
+        if not isinstance(cfg.compile, (bool, DictConfig)):
+            raise ValueError(f"compile={cfg.compile!r}: expected true/false or torch.compile's arguments, e.g. "
+                             "compile='{mode: max-autotune}'.")
+        net.compile(**(OmegaConf.to_container(cfg.compile) if isinstance(cfg.compile, DictConfig) else {}))
     run_config = _config_dict(cfg)
     lit = ImageClassifier(net, optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
                           scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,

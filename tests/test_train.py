@@ -75,6 +75,22 @@ def test_fast_dev_run_models(tmp_path, model, extra):
     assert objects["lit"].net is not None
 
 
+@pytest.mark.slow
+def test_compile_true_compiles_the_network_in_place_and_regularizes_it_on_the_compiled_engine(tmp_path):
+    from jvpreg.clone import capture
+
+    result, objects = fdr(tmp_path, "model=mlp", "regularizer=jacobian", "compile=true")
+    net = objects["lit"].net
+    assert capture.compiled_in_place(net) and "train/loss" in result["history"][0]
+    assert any(p.compiled is not None for p in capture.programs(net).values())
+    assert not any(k.startswith("_orig_mod") or "._orig_mod." in k for k in objects["lit"].state_dict())
+
+
+def test_compile_must_be_a_flag_or_torch_compile_arguments(tmp_path):
+    with pytest.raises(ValueError, match="compile='fast': expected true/false or torch.compile's arguments"):
+        fdr(tmp_path, "compile=fast")
+
+
 def test_jacobian_monitor_callback_config(tmp_path):
     result, objects = fdr(tmp_path, "callbacks=with_monitor", "callbacks.jacobian_monitor.every_n_epochs=1",
                           "callbacks.jacobian_monitor.k=2", "callbacks.jacobian_monitor.max_samples=2",
