@@ -338,13 +338,6 @@ _register_autograd(group_norm_tangent, _gn_tangent_backward, _keeping(2, sums=Tr
 _ln_backward = torch.ops.aten.native_layer_norm_backward.default
 
 
-def _ln_rows(a: torch.Tensor, mean: torch.Tensor):
-    """``(rows, 1, N)``: LayerNorm's rows as the one-group GroupNorm of :func:`group_norm_tangent` (``mean`` is
-    ``native_layer_norm``'s, one entry per row)."""
-    rows = mean.numel()
-    return rows, a.numel() // rows if rows else 0
-
-
 @_operator("layer_norm_tangent")
 def layer_norm_tangent(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
                        rstd: torch.Tensor, normalized_shape: List[int], eps: float) -> torch.Tensor:
