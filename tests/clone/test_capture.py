@@ -485,22 +485,28 @@ def test_compiled_engine_records_its_own_program_for_recurrent_layers():
     assert sorted(lstm_ops) == [0, 1]
 
 
+def _compiled_and_captured_agree(model, x, u, loss, calls=2):
+    """Two calls of ``jvpreg.jvp`` with engine='compiled' on ``model`` and 'captured' on a copy: the same JVP and
+    the same parameter gradients of ``loss(y, t)``; returns the copy (its buffers for the caller to compare)."""
+    twin = copy.deepcopy(model)
+    for _ in range(calls):
+        model.zero_grad(), twin.zero_grad()
+        y, t = jvpreg.jvp(model, (x,), (u,), engine="compiled")
+        y2, t2 = jvpreg.jvp(twin, (x,), (u,), engine="captured")
+        torch.testing.assert_close(t, t2, rtol=1e-10, atol=1e-12)
+        loss(y, t).backward()
+        loss(y2, t2).backward()
+        for p, p2 in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, p2.grad, rtol=1e-10, atol=1e-12)
+    return twin
+
+
 @pytest.mark.slow
 def test_compiled_engine_equals_captured():
     """engine='compiled': the captured program under torch.compile (Inductor) gives the same JVP and gradients."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 2)).to(D)
-    x, u = randn(5, 6), randn(5, 6)
-    m2 = copy.deepcopy(model)
-    for _ in range(2):
-        model.zero_grad(), m2.zero_grad()
-        y, t = jvpreg.jvp(model, (x,), (u,), engine="compiled")
-        y2, t2 = jvpreg.jvp(m2, (x,), (u,), engine="captured")
-        torch.testing.assert_close(t, t2, rtol=1e-10, atol=1e-12)
-        (t.pow(2).sum()).backward()
-        (t2.pow(2).sum()).backward()
-        for p, p2 in zip(model.parameters(), m2.parameters()):
-            torch.testing.assert_close(p.grad, p2.grad, rtol=1e-10, atol=1e-12)
+    _compiled_and_captured_agree(model, randn(5, 6), randn(5, 6), lambda y, t: t.pow(2).sum())
 
 
 @pytest.mark.slow
@@ -511,17 +517,8 @@ def test_compiled_engine_calls_jvpregs_operators_under_autograd():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
                           nn.Linear(4 * 6 * 6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).to(D).train()
-    x, u = randn(5, 3, 6, 6), randn(5, 3, 6, 6)
-    m2 = copy.deepcopy(model)
-    for _ in range(2):
-        model.zero_grad(), m2.zero_grad()
-        y, t = jvpreg.jvp(model, (x,), (u,), engine="compiled")
-        y2, t2 = jvpreg.jvp(m2, (x,), (u,), engine="captured")
-        torch.testing.assert_close(t, t2, rtol=1e-10, atol=1e-12)
-        (t.pow(2).sum() + y.sum()).backward()
-        (t2.pow(2).sum() + y2.sum()).backward()
-        for p, p2 in zip(model.parameters(), m2.parameters()):
-            torch.testing.assert_close(p.grad, p2.grad, rtol=1e-10, atol=1e-12)
+    m2 = _compiled_and_captured_agree(model, randn(5, 3, 6, 6), randn(5, 3, 6, 6),
+                                      lambda y, t: t.pow(2).sum() + y.sum())
     for b, b2 in zip(model.buffers(), m2.buffers()):  # Inductor's own reduction order: equal up to rounding
         torch.testing.assert_close(b, b2, rtol=1e-13, atol=1e-15)
     prog = next(p for p in capture.programs(model).values() if p.compiled is not None)
