@@ -227,7 +227,7 @@ def replay_function(gm: GraphModule) -> Callable:
             key = f"_direct_{name}"
             env[key] = kernels.DIRECT[op]
             return key + "("
-        if not isinstance(op, torch._ops.OpOverload) or op._pyobj_dispatcher is not None:
+        if not isinstance(op, torch._ops.OpOverload) or getattr(op, "_pyobj_dispatcher", None) is not None:
             return match.group(0)
         key = f"_op_{ns}_{name}_{overload}"
         env[key] = op._op

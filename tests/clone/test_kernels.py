@@ -1,8 +1,11 @@
 """The operators of :mod:`jvpreg.clone.kernels`: values and written-out backwards against autograd in float64."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 from jvpreg.clone import kernels
 
@@ -68,6 +71,89 @@ def test_batch_norm_tangent_create_graph_gives_the_same_gradients():
     assert all(x.requires_grad for x in graph)
     for x, y in zip(plain, graph):
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+def _clone_bn_composite(z, w, b):
+    """``[BN(a); BN(a) + t_j]`` with ``t_j`` of ``d_j = z_j - a`` (:func:`_bn_tangent_composite`), differentiable."""
+    a = z[0]
+    mean, invstd = _stats(a)
+    view = lambda p: p.reshape(-1, *([1] * (a.dim() - 2)))
+    out0 = (a - view(mean)) * view(invstd)
+    if w is not None:
+        out0 = out0 * view(w) + view(b)
+    return torch.cat([out0.unsqueeze(0), out0 + _bn_tangent_composite(z[1:] - a, a, w)])
+
+
+@pytest.mark.parametrize("shape, blocks, affine", [((6, 3), 2, True), ((4, 3, 5, 5), 3, True), ((3, 2, 4), 2, False)],
+                         ids=["bn1d", "bn2d-two-tangents", "no-weight"])
+def test_batch_norm_blocks_values_and_gradients(shape, blocks, affine):
+    """Clone-BN in one operator: values and gradients (written out, and under create_graph) against the composite
+    of differentiable primitive ops, in float64; through the operator and through its autograd.Function."""
+    torch.manual_seed(0)
+    z = torch.randn(blocks, *shape, dtype=D, requires_grad=True)
+    w = torch.randn(shape[1], dtype=D, requires_grad=True) if affine else None
+    b = torch.randn(shape[1], dtype=D, requires_grad=True) if affine else None
+    inputs = tuple(t for t in (z, w, b) if t is not None)
+    direct = kernels.DIRECT[torch.ops.jvpreg.batch_norm_blocks.default]
+
+    def through(op):
+        return lambda *args: op(args[0], *(args[1:] if affine else (None, None)), None, None, 0.1, EPS)[0]
+
+    ref = lambda *args: _clone_bn_composite(args[0], *(args[1:] if affine else (None, None)))  # noqa: E731
+    torch.testing.assert_close(through(kernels.batch_norm_blocks)(*inputs), ref(*inputs), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(through(kernels.batch_norm_blocks), inputs)
+    g = torch.randn(blocks, *shape, dtype=D)
+    want = torch.autograd.grad(ref(*inputs), inputs, g)
+    for fn, create_graph in ((through(kernels.batch_norm_blocks), False), (through(direct), False),
+                             (through(kernels.batch_norm_blocks), True)):
+        got = torch.autograd.grad(fn(*inputs), inputs, g, create_graph=create_graph)
+        assert all(x.requires_grad for x in got) == create_graph
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed-tokens"])
+def test_batch_norm_blocks_primal_and_running_statistics_are_the_plain_forwards(layout):
+    """Block 0 and the updated running statistics are bit-identical to ``nn.BatchNorm`` on the primal alone, in every
+    input layout (BatchNorm's ``.out`` kernel reads a transposed input wrong: there the functional kernel runs), and
+    every block keeps the plain output's layout."""
+    torch.manual_seed(0)
+    if layout == "transposed-tokens":
+        a, bn = torch.randn(4, 49, 16).transpose(1, 2), nn.BatchNorm1d(16)
+    else:
+        a, bn = torch.randn(4, 8, 5, 5), nn.BatchNorm2d(8)
+        if layout == "channels_last":
+            a = a.contiguous(memory_format=torch.channels_last)
+    plain = copy.deepcopy(bn)
+    want = plain(a)
+    z = torch.stack([a, a + torch.randn_like(a)]) if layout != "transposed-tokens" else \
+        torch.stack([a.transpose(1, 2), torch.randn(4, 49, 16)]).transpose(2, 3)
+    out, _, _, _, _, new_mean, new_var = kernels.batch_norm_blocks(z, bn.weight, bn.bias, bn.running_mean,
+                                                                   bn.running_var, 0.1, bn.eps)
+    assert torch.equal(out[0], want)
+    assert torch.equal(new_mean, plain.running_mean) and torch.equal(new_var, plain.running_var)
+    assert out[1].stride() == out[0].stride() == want.stride()
+
+
+def test_batch_norm_relu_blocks_equals_the_two_operators():
+    """The fused operator (:mod:`jvpreg.clone.passes` puts it where a relu alone reads a BatchNorm): the same blocks,
+    pattern and gradients as ``relu_blocks(batch_norm_blocks(z)[0])``, a NaN primal entry passed as relu does."""
+    torch.manual_seed(0)
+    z = torch.randn(2, 6, 3, 4, 4, dtype=D)
+    z[:, 0, 0, 0, 0] = float("nan")  # a NaN in one channel: that channel's statistics and outputs are NaN
+    z.requires_grad_()
+    w, b = torch.randn(3, dtype=D, requires_grad=True), torch.randn(3, dtype=D, requires_grad=True)
+    fused = kernels.batch_norm_relu_blocks(z, w, b, None, None, 0.1, EPS)
+    bn = kernels.batch_norm_blocks(z, w, b, None, None, 0.1, EPS)[0]
+    two = kernels.relu_blocks(bn)
+    torch.testing.assert_close(fused[0], two[0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(fused[1], two[1])
+    g = torch.randn_like(bn)
+    for x, y in zip(torch.autograd.grad(fused[0], (z, w, b), g), torch.autograd.grad(two[0], (z, w, b), g)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    finite = torch.randn(2, 6, 3, 4, 4, dtype=D, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: kernels.batch_norm_relu_blocks(t, w, b, None, None, 0.1, EPS)[0],
+                                    (finite,))
 
 
 def test_relu_blocks_values_gradients_and_nan_convention():

@@ -419,7 +419,51 @@ def test_resnet_program_has_no_write_backs_and_matches_eager():
         t.pow(2).sum().backward()
         results[engine] = (t.detach(), [p.grad.clone() for p in model.parameters()])
     (prog,) = capture.programs(model).values()
-    assert not ops(prog.gm)[aten.copy_.default]
+    stats_ops = (torch.ops.jvpreg.batch_norm_blocks.default, torch.ops.jvpreg.batch_norm_relu_blocks.default)
+    copies = [n for n in prog.gm.graph.nodes if n.target is aten.copy_.default]
+    assert all(n.args[0].op == "placeholder" and n.args[1].args[0].target in stats_ops for n in copies), \
+        "only the running statistics are written"
+    assert len(copies) == 2 * sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
     torch.testing.assert_close(results["captured"][0], results["eager"][0], rtol=1e-12, atol=1e-12)
     for a, b in zip(results["captured"][1], results["eager"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+class _ConvBNReLU(nn.Module):
+    """Conv -> BN -> ReLU(inplace) (fusable), then Conv -> BN read by a ReLU and a residual sum (not fusable)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1, self.relu = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        h = self.relu(self.bn1(self.conv1(x)))
+        g = self.bn2(self.conv2(h))
+        return (torch.relu(g) + g).flatten(1)
+
+
+def test_batch_norm_read_only_by_a_relu_is_fused(monkeypatch):
+    """A BatchNorm whose output only a relu reads becomes one operator in the captured program (the other BatchNorm
+    stays); JVP, penalty gradients and running statistics equal the eager engine's in float64."""
+    import copy
+
+    import jvpreg.clone.rules.cpa as cpa
+
+    monkeypatch.setattr(cpa, "BOOL_MASK_NUMEL", 0)  # relu_blocks on blocks of any size (as on large activations)
+    torch.manual_seed(0)
+    model = _ConvBNReLU().to(D).train()
+    eager_model = copy.deepcopy(model)
+    x, u = torch.randn(5, 3, 6, 6, dtype=D), torch.randn(5, 3, 6, 6, dtype=D)
+    results = {}
+    for engine, m in (("captured", model), ("eager", eager_model)):
+        _, t = jvpreg.jvp(m, (x,), (u,), engine=engine)
+        t.pow(2).sum().backward()
+        results[engine] = (t.detach(), [p.grad for p in m.parameters()], list(m.buffers()))
+    (prog,) = capture.programs(model).values()
+    counted = ops(prog.gm)
+    assert counted[torch.ops.jvpreg.batch_norm_relu_blocks.default] == 1
+    assert counted[torch.ops.jvpreg.batch_norm_blocks.default] == 1
+    torch.testing.assert_close(results["captured"][0], results["eager"][0], rtol=1e-12, atol=1e-12)
+    for a, b in zip(results["captured"][1] + results["captured"][2], results["eager"][1] + results["eager"][2]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -25,7 +25,7 @@ from ..dispatch import fallback
 from ..registry import register_rule
 from .. import kernels
 from ..kernels import batch_norm_tangent, group_norm_tangent
-from ..tensor import (block_delta, delta_blocks, each_block, is_clone, kept_primal, primal_block, raw,
+from ..tensor import (block_delta, compiling, delta_blocks, each_block, is_clone, kept_primal, primal_block, raw,
                       stack_blocks, tile, varies)
 
 
@@ -113,9 +113,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     # The primal block is the very call a plain forward makes (bit-identical output and running statistics,
     # updated once); the tangent is batch norm's own input-gradient kernel applied to d_j. Both keep their
     # input for backward: a copy of the primal block under autograd (kept_primal).
+    momentum = 0.0 if momentum is None else momentum
+    if _blocks_in_one_output(input, weight, bias):
+        return _batch_norm_blocks(input, w0, b0, running_mean, running_var, momentum, eps)
     if is_clone(input):
         a = kept_primal(input)
-    momentum = 0.0 if momentum is None else momentum
     if a.device.type == "cpu" and (w0 is None or w0.dtype == a.dtype):
         # the kernel F.batch_norm runs on the CPU, called for its statistics too (a separate var_mean: 3x its time)
         out_a, mean, invstd = torch.ops.aten.native_batch_norm(a, w0, b0, running_mean, running_var, True,
@@ -128,6 +130,29 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
             var, mean = torch.var_mean(a32, dim=(0,) + tuple(range(2, a.dim())), correction=0)
             invstd = torch.rsqrt(var + eps)
     return _bn_tangents(input, a, out_a, mean, invstd, weight, bias, eps, ch)
+
+
+def _blocks_in_one_output(x, weight, bias) -> bool:
+    """Train-mode BatchNorm through :func:`jvpreg.clone.kernels.batch_norm_blocks` (every block written into one
+    output, three blocks allocated per call where the composite rule allocates seven): a clone input of
+    float32/64 on the CPU with constant affine parameters, outside ``torch.func`` transforms and programs for
+    ``engine="compiled"`` (there Inductor fuses the composite rule). Other devices keep the composite rule
+    (cuDNN's kernel for the primal block; the operator is not measured on a GPU)."""
+    if not is_clone(x) or varies(weight) or varies(bias):
+        return False
+    z, w0 = raw(x), _primal(weight)
+    return (type(z) is torch.Tensor and z.device.type == "cpu" and z.dtype in (torch.float32, torch.float64)
+            and (w0 is None or w0.dtype == z.dtype) and not compiling()
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
+def _batch_norm_blocks(x, w0, b0, running_mean, running_var, momentum, eps):
+    """The operator, then its running statistics copied into the module's buffers."""
+    out, *_, new_mean, new_var = kernels.batch_norm_blocks(raw(x), w0, b0, running_mean, running_var, momentum, eps)
+    for buffer, new in ((running_mean, new_mean), (running_var, new_var)):
+        if buffer is not None:  # (no graph: neither requires grad)
+            buffer.copy_(new)
+    return out
 
 
 def _written_out_backward(x: torch.Tensor, a: torch.Tensor) -> bool:
