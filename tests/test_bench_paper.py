@@ -341,3 +341,11 @@ def _mlp_batch(train):
     model, shape = train.build("mlp")
     x = torch.randn(8, *shape)
     return model, x, torch.randint(0, 10, (8,)), torch.randn_like(x)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where torch sees no CUDA device")
+def test_train_benchmark_refuses_a_cuda_device_it_cannot_see():
+    from jvpreg.bench import train
+
+    with pytest.raises(SystemExit):
+        train.main(["--device", "cuda", "--models", "mlp:8", "--out", ""])

@@ -41,7 +41,8 @@ method each (round-robin, so load changes on a shared machine hit all methods al
 medians (what the targets use) and process CPU time are reported. On a busy machine use
 ``--threads 1``: with several OpenMP threads, a thread descheduled by another job stalls every
 parallel region (slowdowns of 10-100x were seen). ``--no-inplace`` turns in-place activations
-(ResNet's ``ReLU(inplace=True)``) into out-of-place ones for every method.
+(ResNet's ``ReLU(inplace=True)``) into out-of-place ones for every method. ``--device cuda`` times with CUDA
+synchronisation and takes peak memory from the caching allocator (written for the GPU tables; not run here: no GPU).
 """
 from __future__ import annotations
 
@@ -182,7 +183,7 @@ class Step:
             xg = x.clone().requires_grad_()
             out = (self.forward if model is self.model else model)(xg)
             c = out.shape[1]
-            v = torch.randn(b, c, dtype=out.dtype)
+            v = torch.randn(b, c, dtype=out.dtype, device=out.device)
             v = v / v.norm(dim=1, keepdim=True)
             (jv,) = torch.autograd.grad(out, xg, v, create_graph=True)
             return F.cross_entropy(out, y) + LAM * 0.5 * c * jv.pow(2).sum() / b
@@ -219,6 +220,28 @@ def saved_for_backward(step: "Step") -> float:
 
 
 def peak_memory(step: "Step", repeats: int = 5) -> Optional[float]:
+    if step.x.device.type == "cuda":
+        return _cuda_peak_memory(step, repeats)
+    return _rss_peak_memory(step, repeats)
+
+
+def _cuda_peak_memory(step: "Step", repeats: int) -> float:
+    """Peak bytes the caching allocator hands out during one step above what is allocated before it, median of
+    ``repeats`` steps (``torch.cuda.max_memory_allocated``: live tensors, deterministic)."""
+    import statistics
+
+    peaks = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peaks.append(float(torch.cuda.max_memory_allocated() - before))
+    return statistics.median(peaks)
+
+
+def _rss_peak_memory(step: "Step", repeats: int) -> Optional[float]:
     """Peak resident memory (bytes) one step adds above what the process holds before it (Linux), median of
     ``repeats`` steps.
 
@@ -256,15 +279,16 @@ def _grad_check(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor]) -> f
 
 
 def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[str], inplace: bool = True,
-              profile: bool = False, log=print) -> List[dict]:
+              profile: bool = False, log=print, device: str = "cpu") -> List[dict]:
     torch.manual_seed(0)
     model, shape = build(name)
+    model = model.to(device)
     if not inplace:  # same math; in-place activations become out-of-place for every method
         for mod in model.modules():
             if hasattr(mod, "inplace"):
                 mod.inplace = False
-    x = torch.randn(batch, *shape)
-    y = torch.randint(0, 10, (batch,))
+    x = torch.randn(batch, *shape, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
     u = torch.randn_like(x)
     rows: List[dict] = []
     steps: Dict[str, Step] = {}
@@ -287,7 +311,7 @@ def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[st
     for _ in range(repeats):
         for method, step in steps.items():
             c0 = time.process_time()
-            wall[method].append(measure(step, repeats=1, warmup=0)["median"])
+            wall[method].append(measure(step, repeats=1, warmup=0, device=device)["median"])
             cpu[method].append(time.process_time() - c0)
     for row in rows:
         m = row["method"]
@@ -302,7 +326,8 @@ def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[st
         if row["status"] == "ok":
             row["peak_bytes"] = peak_memory(steps[row["method"]])
             row["saved_bytes"] = saved_for_backward(steps[row["method"]])
-            row["live_bytes"] = memory.peak_live_bytes(steps[row["method"]])
+            if device == "cpu":  # (on a GPU the allocator's peak above is the live peak)
+                row["live_bytes"] = memory.peak_live_bytes(steps[row["method"]])
     if profile:
         for row in rows:
             if row["status"] == "ok":
@@ -412,7 +437,8 @@ def targets(rows: List[dict]) -> List[dict]:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Training-step benchmark (CPU)", "",
+    device = result.get("device", "cpu")
+    lines = [f"# Training-step benchmark ({'CPU' if device == 'cpu' else device})", "",
              "One full step (zero_grad, forward, backward, SGD step), median over round-robin repeats. `clone` is "
              "task loss + lambda * JacobianFrobenius (1 projection, whole batch) through the callbacks' "
              "shared forward; the others are the autodiff alternatives (see `jvpreg/bench/train.py`). "
@@ -430,7 +456,10 @@ def markdown(result: dict) -> str:
              "adds (median of 5 steps; it moves 10-30% between runs); saved is what autograd keeps for backward "
              "(distinct storages, parameters left out; deterministic); live peak is the most bytes of live tensors "
              "during a step above those live before it, from the allocator's events (`torch.profiler` memory "
-             "timeline): what the step needs, without what glibc keeps or returns to the OS.", "",
+             "timeline): what the step needs, without what glibc keeps or returns to the OS."
+             + ("" if device == "cpu" else f" On {device}, peak memory is the caching allocator's peak "
+                "(`torch.cuda.max_memory_allocated`) above what is allocated before the step, which is also its live "
+                "peak (that column stays empty)."), "",
              "`plain_2b` is the plain step on the doubled batch: the floor of a clone step (the physical limit).", "",
              "| model | method | median step (ms) | vs plain | vs plain 2B | vs clone | CPU time (ms) | CPU vs plain | "
              "CPU vs clone | peak memory (MiB) | memory vs plain | saved (MiB) | saved vs plain | live peak (MiB) | "
@@ -488,6 +517,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu or cuda[:N] (CUDA-synchronised timing; peak memory from the caching allocator's "
+                             "statistics; not run here: no GPU)")
     parser.add_argument("--no-inplace", action="store_true",
                         help="make in-place activations (ResNet's ReLU(inplace=True)) out-of-place for every method")
     parser.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown per method")
@@ -501,6 +533,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad:
         parser.error(f"unknown method(s) {bad}; expected a subset of {list(METHODS)}")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here (torch {torch.__version__})")
     if args.threads:
         torch.set_num_threads(args.threads)
     steady = bool(args.steady_malloc and report.steady_malloc())
@@ -511,8 +545,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     for spec in args.models.split(","):  # name or name:batch
         name, _, b = spec.partition(":")
         rows += run_model(name, int(b) if b else args.batch, args.repeats, args.warmup, methods,
-                          inplace=not args.no_inplace, profile=args.profile)
-    result = {"command": command.strip(), "machine": machine_description("cpu"), "load_average_start": load0,
+                          inplace=not args.no_inplace, profile=args.profile, device=args.device)
+    result = {"command": command.strip(), "machine": machine_description(args.device), "device": args.device,
+              "load_average_start": load0,
               "inplace_activations": not args.no_inplace, "threads": torch.get_num_threads(), "steady_malloc": steady,
               "load_average_end": [round(v, 2) for v in os.getloadavg()], "lambda": LAM,
               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "notes": list(args.note), "results": rows}
