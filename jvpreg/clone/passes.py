@@ -956,6 +956,8 @@ def _fuse_batch_norm_relu(graph: torch.fx.Graph) -> None:
                 and isinstance(out.args[0], torch.fx.Node) and out.args[0].target is bn_op and len(out.users) == 1):
             continue
         bn = out.args[0]
+        if sum(1 for item in bn.users if item.args[1] == 0) != 1:  # another read of the output would see the relu
+            continue
         with graph.inserting_before(bn):
             fused = graph.call_function(fused_op, bn.args, bn.kwargs)
         for item in list(bn.users) + list(relu.users):  # bn's (out, mean, ...) -> 0, 2, ...; relu's (out, keep) -> 0, 1

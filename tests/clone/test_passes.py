@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import operator
 
 import pytest
 import torch
@@ -467,3 +468,27 @@ def test_batch_norm_read_only_by_a_relu_is_fused(monkeypatch):
     torch.testing.assert_close(results["captured"][0], results["eager"][0], rtol=1e-12, atol=1e-12)
     for a, b in zip(results["captured"][1] + results["captured"][2], results["eager"][1] + results["eager"][2]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_batch_norm_output_read_twice_is_not_fused():
+    """Two reads of the BatchNorm output (two ``getitem`` nodes, as CSE leaves them across a write) keep the two
+    operators: fusing would hand the relu'd values to the other reader."""
+    from jvpreg.clone import kernels  # noqa: F401  (registers the operators)
+
+    graph = torch.fx.Graph()
+    z = graph.placeholder("z")
+    bn = graph.call_function(torch.ops.jvpreg.batch_norm_blocks.default, (z, None, None, None, None, 0.1, 1e-5))
+    first, second = (graph.call_function(operator.getitem, (bn, 0)) for _ in range(2))
+    relu = graph.call_function(torch.ops.jvpreg.relu_blocks.default, (first,))
+    out = graph.call_function(operator.getitem, (relu, 0))
+    graph.output((out, second))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    zt = torch.randn(2, 4, 3, dtype=D)
+    want = gm(zt)
+    passes._fuse_batch_norm_relu(gm.graph)
+    gm.recompile()
+    assert not ops(gm)[torch.ops.jvpreg.batch_norm_relu_blocks.default]
+    got = gm(zt)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert (got[1] < 0).any(), "the second reader sees BatchNorm's output, negative entries included"
