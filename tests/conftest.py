@@ -3,6 +3,7 @@
 ``assert_tree_close(got, want, rtol=1e-10, what="")``: same pytree structure; float leaves equal to ``rtol``
 with ``atol = rtol * max|want|`` (1 for an all-zero reference); integer/bool leaves exactly; other leaves
 with ``==``. Import it as ``from conftest import assert_tree_close`` (pytest puts ``tests/`` on the path).
+``reference_jvp(f, x, u)``: torch.func.jvp, or the reverse-mode Jacobian where forward AD is missing.
 
 Slow tests (``@pytest.mark.slow``: the OpInfo sweep, DDP/FSDP workers, float32 whole-model checks,
 Hydra runs in subprocesses) are deselected unless ``--slow`` is given (or an explicit ``-m``):
@@ -34,6 +35,19 @@ def assert_tree_close(got, want, rtol: float = RTOL, what: str = "") -> None:
             torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}[{i}]: {m}")
         else:
             assert torch.equal(g, w.to(g.dtype)), f"{what}[{i}]: integer outputs differ"
+
+
+def reference_jvp(f, x: torch.Tensor, u: torch.Tensor):
+    """``(f(x), J u)`` by ``torch.func.jvp``; where this torch has no forward-mode formula for an op (torch 2.11 has
+    none for ``grid_sampler_2d``), by the reverse-mode Jacobian of ``f`` at ``x`` applied to ``u``."""
+    try:
+        return torch.func.jvp(f, (x,), (u,))
+    except NotImplementedError as err:
+        if "forward AD" not in str(err):
+            raise
+    y = f(x)
+    jac = torch.autograd.functional.jacobian(f, x)
+    return y, (jac.reshape(y.numel(), x.numel()) @ u.reshape(-1)).reshape(y.shape)
 
 
 def sinh_rule_with_a_detached_slope(func, args, kwargs):

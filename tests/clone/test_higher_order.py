@@ -99,14 +99,65 @@ def test_hessian_vector_product_of_a_penalty(layer, engine):
         torch.testing.assert_close(name_got, name_want, rtol=1e-6, atol=1e-6 * float(name_want.abs().max()) + 1e-9)
 
 
-def test_batch_norm_second_derivative_raises_torchs_clear_error():
-    """Train-mode BatchNorm: torch has no third derivative of batch norm, and says so (no wrong product)."""
+def _hessian_times_ones(penalty, params):
+    """``(H 1, central differences of the gradient along 1)`` for ``penalty()`` (``None`` for ``H 1`` where torch
+    refuses the third derivative of batch norm, with its clear error)."""
+    def gradient(create_graph=False):
+        gs = torch.autograd.grad(penalty(), params, create_graph=create_graph, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, gs)]
+
+    g = gradient(create_graph=True)
+    try:
+        got = torch.autograd.grad(sum(gi.sum() for gi in g), params, allow_unused=True)
+    except RuntimeError as err:
+        assert "3rd+ order" in str(err), err
+        got = None
+    h = 1e-5
+    with torch.no_grad():
+        for p in params:
+            p.add_(h)
+    plus = gradient()
+    with torch.no_grad():
+        for p in params:
+            p.sub_(2 * h)
+    minus = gradient()
+    with torch.no_grad():
+        for p in params:
+            p.add_(h)
+    want = [(gp - gm) / (2 * h) for gp, gm in zip(plus, minus)]
+    return (None if got is None else [torch.zeros_like(p) if q is None else q for p, q in zip(params, got)]), want
+
+
+def _far(got, want) -> bool:
+    return any(not torch.allclose(g, w, rtol=1e-5, atol=1e-5 * float(w.abs().max())) for g, w in zip(got, want))
+
+
+def test_batch_norm_second_derivative_is_exact_or_torchs_clear_error():
+    """Train-mode BatchNorm, the derivative of the penalty's gradient (a third derivative of batch norm): torch 2.15
+    has none and says so, through jvpreg as through double backprop. torch 2.11 computes one that is wrong for
+    double backprop alone (off by about half its size, against central differences), so nothing built on it can be
+    exact: there the test checks that the two are wrong alike, not that jvpreg adds an error of its own."""
+    torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).to(D)
-    x, u = torch.randn(4, 5, dtype=D), torch.randn(4, 5, dtype=D)
+    x, u, v = torch.randn(4, 5, dtype=D), torch.randn(4, 5, dtype=D), torch.randn(4, 3, dtype=D)
     params = list(net.parameters())[:-1]
-    g = torch.autograd.grad(jvpreg.jvp(net, (x,), (u,))[1].pow(2).sum(), params, create_graph=True)
-    with pytest.raises(RuntimeError, match="3rd\\+ order"):
-        torch.autograd.grad(sum(gi.sum() for gi in g), params)
+
+    def double_backprop():
+        xx = x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad((net(xx) * v).sum(), xx, create_graph=True)
+        return gx.pow(2).sum()
+
+    got, want = _hessian_times_ones(lambda: jvpreg.jvp(net, (x,), (u,))[1].pow(2).sum(), params)
+    torch_got, torch_want = _hessian_times_ones(double_backprop, params)
+    assert (got is None) == (torch_got is None), "jvpreg and torch disagree on whether the derivative exists"
+    if got is None:
+        return
+    if _far(torch_got, torch_want):
+        assert _far(got, want)
+        pytest.xfail(f"torch {torch.__version__} computes a wrong third derivative of batch norm (double backprop "
+                     "alone disagrees with central differences)")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * float(w.abs().max()))
 
 
 @pytest.mark.parametrize("layer", ["layer-norm", "group-norm", "gelu"])

@@ -7,7 +7,8 @@ For an op with frozen region at ``a`` (block 0), every block ``z`` maps to
 * clamp-like ops (hardtanh/relu6, clamp, threshold): ``out = z`` where ``a`` is inside the
   affine piece, ``out(a)`` where ``a`` is clamped.
 
-Kink conventions follow PyTorch's own derivatives (tests check them at the kink):
+Kink conventions follow PyTorch's own derivatives (torch 2.15's; tests check them at the kink; torch 2.11's clamp
+takes slope 1 at its bounds, jvpreg keeps one convention on every torch version):
 relu'(0) = 0; leaky_relu'(0) = negative_slope; prelu'(0) = 1 (torch's forward-mode formula; its
 backward uses the weight there); abs'(0) = 0; hardtanh/relu6 and clamp with number bounds have
 slope 0 at their bounds; clamp with tensor bounds is max/min with those tensors (ties 0.5);

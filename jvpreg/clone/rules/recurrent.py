@@ -185,6 +185,9 @@ def _lstm_layer(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, reverse):
     x0, h0, c0 = x[0], h[0], c[0]
     weights = [w for w in (w_ih, w_hh, b_ih, b_hh, w_hr) if w is not None]
     out0, hT, cT = torch.lstm(x0, (h0[None], c0[None]), weights, b_ih is not None, 1, 0.0, False, False, False)
+    # (1, B, H) -> (B, H) by shape, not by index: torch 2.11's pre-dispatch tracer records the final states of a
+    # projected LSTM with one dimension too many, which an index would bake into the program
+    hT, cT = hT.reshape(h0.shape), cT.reshape(c0.shape)
     hs = torch.cat([h0[None], out0[:-1]])                                        # h_{t-1}, every step
     gates = F.linear(x0, w_ih, b_ih) + F.linear(hs, w_hh, b_hh)                   # (T, B, 4H)
     sg = torch.sigmoid(gates)
@@ -220,8 +223,7 @@ def _lstm_layer(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, reverse):
     out = stack_blocks(out0, out0 + _unrows(dhs, k1))
     if reverse:
         out = out.flip(1)
-    return (out, stack_blocks(hT[0], hT[0] + dh.view(k1, *hT[0].shape)),
-            stack_blocks(cT[0], cT[0] + dc.view(k1, *cT[0].shape)))
+    return (out, stack_blocks(hT, hT + dh.view(k1, *hT.shape)), stack_blocks(cT, cT + dc.view(k1, *cT.shape)))
 
 
 def _elman_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
