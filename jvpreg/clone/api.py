@@ -220,6 +220,11 @@ def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
         raise TypeError(_COMPLEX.format(where=where, what=f"primals[{i}]", dtype=p.dtype))
     if not p.is_floating_point():
         raise TypeError(f"{where}: primals[{i}] has dtype {p.dtype}; JVPs need floating-point primals.")
+    if p.layout != torch.strided:
+        from .dispatch import UnsupportedOpError
+
+        raise UnsupportedOpError(f"{where}: primals[{i}] has layout {p.layout}; clone mode stacks dense blocks, so "
+                                 "pass dense tensors (p.to_dense()).")
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where}: expected tangents to be a tuple of tensors, got {type(t).__name__} at index {i}.")
     expected = tuple(p.shape)

@@ -10,8 +10,10 @@ Order of resolution for ``func(*args, **kwargs)`` with at least one clone argume
    the linearisation of that one op at the primal, which is what every rule computes
    (along the block difference rescaled by a power of two to the primal's size: :func:`_unit_scale`).
    Non-float outputs (masks, indices) are state and are repeated from block 0.
-   An op without a forward-mode formula raises :class:`UnsupportedOpError`, which
-   names the op and how to register a rule. Never a silently wrong result.
+   An op without a forward-mode formula (``cdist``, ``pdist``, ``index_reduce``, ...), or with one torch gets
+   wrong (``scatter_reduce(..., "prod")``: :data:`_WRONG_FORWARD_AD`), is linearised in reverse mode instead,
+   ``J d = d/dv <J^T v, d>`` (:func:`_reverse_mode_jvp`). An op without any derivative raises
+   :class:`UnsupportedOpError`, which names the op and how to register a rule. Never a silently wrong result.
 """
 from __future__ import annotations
 
@@ -339,8 +341,73 @@ def _unit_scale(primals: tuple, tangents: tuple) -> torch.Tensor:
         return torch.where(ok, torch.exp2(torch.round(torch.log2(torch.where(ok, r, 1.0)))), 1.0)
 
 
+def _no_forward_ad(err: Exception) -> bool:
+    """``err`` says torch has no forward-mode formula for an op (its own message, or
+    :func:`_forward_ad_checked`'s): where the reverse-mode fallback applies."""
+    msg = str(err)
+    return (isinstance(err, NotImplementedError) and "forward AD" in msg) or "no forward-mode derivative" in msg
+
+
+def _reverse_mode_jvp(g: Callable, primals: tuple, tangents: tuple, name: str):
+    """``(J d, out)`` by two reverse passes, ``J d = d/dv <J^T v, d>`` (exact at any ``v``: ``J^T v`` is linear in
+    ``v``), for ops with a backward formula and no (or a wrong) forward-mode one. Differentiable once more where
+    the op's backward is (a penalty's gradient differentiates the op's double backward)."""
+    create = torch.is_grad_enabled() and any(p.requires_grad for p in primals)
+    if any(p.is_complex() for p in primals):
+        raise UnsupportedOpError(f"jvpreg clone mode: {name} has no forward-mode derivative, and the reverse-mode "
+                                 "fallback takes real inputs only")
+    with torch.enable_grad():
+        xs = tuple(p if create and p.requires_grad else p.detach().requires_grad_() for p in primals)
+        fl, out = g(*xs)
+        if any(f.is_complex() for f in fl):
+            raise UnsupportedOpError(f"jvpreg clone mode: {name} has no forward-mode derivative, and the "
+                                     "reverse-mode fallback takes real outputs only")
+        live = [f for f in fl if f.requires_grad]
+        if len(live) < len(fl):  # an input requires grad, so an output that does not has no derivative
+            raise UnsupportedOpError(f"jvpreg clone mode: {name} has no derivative (no autograd formula is "
+                                     "registered for it), so its JVP is unknown.")
+        # J^T v is linear in v, so d/dv <J^T v, d> is the same at every v: a random v, so that a backward that is
+        # not differentiable shows (a J^T v without a graph that is not 0), where at v = 0 it would pass as J = 0
+        gen = torch.Generator(device=live[0].device if live else "cpu").manual_seed(0)
+        vs = [torch.randn(f.shape, generator=gen, dtype=f.dtype, device=f.device).requires_grad_() for f in live]
+        gx = torch.autograd.grad(live, xs, vs, create_graph=True, allow_unused=True) if live else [None] * len(xs)
+        if any(gi is not None and not gi.requires_grad and bool(gi.any()) for gi in gx):
+            raise UnsupportedOpError(f"jvpreg clone mode: {name} has no forward-mode derivative, and its backward "
+                                     "is not differentiable, so the reverse-mode fallback cannot take its JVP.")
+        inner = [(gi * d).sum() for gi, d in zip(gx, tangents) if gi is not None and gi.requires_grad]
+        jd = (torch.autograd.grad(sum(inner), vs, create_graph=create, allow_unused=True) if inner
+              else [None] * len(vs))
+    by_output = dict(zip(map(id, live), jd))
+    t_fl = tuple(torch.zeros_like(f) if by_output.get(id(f)) is None else by_output[id(f)] for f in fl)
+    if not create:
+        t_fl = tuple(t.detach() for t in t_fl)
+        out = tree_map(lambda l: l.detach() if isinstance(l, torch.Tensor) else l, out)
+    return t_fl, out
+
+
+# Ops whose forward-mode formula torch gets wrong (torch's OpInfo database marks them unsupported): the fallback
+# takes them in reverse mode. ``(op name, predicate on (args, kwargs))``.
+_WRONG_FORWARD_AD = {
+    "scatter_reduce": lambda args, kwargs: (args[4] if len(args) > 4 else kwargs.get("reduce")) == "prod",
+}
+
+
+def _forward_ad_is_wrong(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Linearise ``func`` in reverse mode: an op of :data:`_WRONG_FORWARD_AD`, or a custom operator (a
+    ``torch.library`` op outside aten): torch gives those no forward-mode formula, and for some (torch's own
+    chunked ``linear_cross_entropy`` operator) ``torch.func.jvp`` returns a zero tangent instead of an error."""
+    if isinstance(func, torch._ops.OpOverload):
+        return func.namespace not in ("aten", "prims")
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name.split("::")[0] not in ("aten", "prims")
+    name = getattr(func, "__name__", "").rstrip("_")
+    check = _WRONG_FORWARD_AD.get(name)
+    return check is not None and check(args, kwargs)
+
+
 def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
-    """Exact per-op linearisation at block 0 with ``torch.func.jvp`` (see module docstring)."""
+    """Exact per-op linearisation at block 0 with ``torch.func.jvp``, or in reverse mode (two backward passes)
+    where torch has no forward-mode formula for the op or a wrong one (see module docstring)."""
     flat, spec, idx = _flat_clones(args, kwargs)
     name = op_name(func)
     k = flat[idx[0]].shape[0]
@@ -379,37 +446,57 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     primals = tuple(_dense(flat[i][0]) for i in diff)
     device = primals[0].device
     rng = _rng_state(device) if k > 2 else None
+    reverse = _forward_ad_is_wrong(func, args, kwargs)
     tangent_outs = []
     out0 = None
+
+    def linearise(tangents):
+        if reverse:
+            return _reverse_mode_jvp(g, primals, tangents, name)
+        if isinstance(func, torch._ops.OpOverload) or isinstance(func, torch._ops.OpOverloadPacket):
+            return _forward_ad_checked(g, primals, tangents, name)
+        _, t_fl, out = torch.func.jvp(g, primals, tangents, has_aux=True)
+        return t_fl, out
+
     try:
         for j in range(1, k):
-            if rng is not None:
-                _set_rng_state(rng, device)
             tangents = tuple(_dense(block_delta(flat[i][j], flat[i][0])) for i in diff)
             c = _unit_scale(primals, tangents)
             tangents = tuple(t * c for t in tangents)
-            if isinstance(func, torch._ops.OpOverload) or isinstance(func, torch._ops.OpOverloadPacket):
-                t_fl, out = _forward_ad_checked(g, primals, tangents, name)
-            else:
-                _, t_fl, out = torch.func.jvp(g, primals, tangents, has_aux=True)
+            if rng is not None:
+                _set_rng_state(rng, device)
+            try:
+                t_fl, out = linearise(tangents)
+            except Exception as err:  # no forward-mode formula: the same derivative in reverse mode
+                if reverse or not _no_forward_ad(err):
+                    raise
+                reverse = True
+                if rng is not None:
+                    _set_rng_state(rng, device)
+                t_fl, out = linearise(tangents)
             if out0 is None:
                 out0 = out
             tangent_outs.append(tuple(t / c for t in t_fl))
     except UnsupportedOpError as err:
         raise UnsupportedOpError(f"{err} {_how_to_register(func, name)}") from err
-    except Exception as err:  # no forward-mode formula, or the op refuses dual tensors
+    except Exception as err:  # the op refuses dual tensors, or has no derivative at all
+        how = "torch.func.jvp of that op, or reverse mode where it has no forward-mode formula"
         raise UnsupportedOpError(
-            f"jvpreg clone mode has no rule for {name}, and its exact fallback "
-            f"(torch.func.jvp of that op) failed: {type(err).__name__}: {err}. {_how_to_register(func, name)}"
+            f"jvpreg clone mode has no rule for {name}, and its exact fallback ({how}) failed: "
+            f"{type(err).__name__}: {err}. {_how_to_register(func, name)}"
         ) from err
 
     leaves, ospec = tree_flatten(out0)
     if not any(isinstance(l, torch.Tensor) for l in leaves):
         return out0  # a query (shape, dtype, item...) answered on the primal block
+    if any(isinstance(l, torch.Tensor) and l.layout != torch.strided for l in leaves):
+        raise UnsupportedOpError(f"jvpreg clone mode: {name} returns a sparse tensor, which cannot hold the stacked "
+                                 "blocks of a clone batch; keep the forward dense (or densify before the call).")
     if name not in _WARNED and _FALLBACK["mode"] == "jvp" and any(_is_float(l) for l in leaves):
         _WARNED.add(name)
         warnings.warn(
-            f"jvpreg: no clone rule for {name}; using the exact torch.func.jvp fallback, which is "
+            f"jvpreg: no clone rule for {name}; using the exact "
+            f"{'reverse-mode (two backward passes)' if reverse else 'torch.func.jvp'} fallback, which is "
             f"slower. {_how_to_register(func, name)}",
             JVPFallbackWarning,
             stacklevel=4,

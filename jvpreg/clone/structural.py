@@ -84,10 +84,23 @@ def _on_phys(func, args, kwargs):
     x = args[0]
     if not is_clone(x) or any_clone(args[1:], kwargs):  # a clone as a dtype/device template (t.to(h))
         return _as_template(func, args, kwargs)
-    out = func(x.as_subclass(torch.Tensor), *args[1:], **kwargs)
+    phys = x.as_subclass(torch.Tensor)
+    out = func(phys, *args[1:], **kwargs)
     if out is None:
         return None
+    if not x._jvp_state and type(out) is torch.Tensor and out.dtype == torch.float16 != phys.dtype:
+        _check_fits_float16(phys, out)
     return wrap_tree(out, lambda t: wrap(t, state=x._jvp_state))
+
+
+def _check_fits_float16(phys: torch.Tensor, out: torch.Tensor) -> None:
+    """A cast of tangent blocks to float16 must not overflow: the blocks ``x + s u`` carry the scale chosen for the
+    input's dtype (``s ~ 2^40 rms(x) / rms(u)``), far past float16's 65504, unless the forward began in float16."""
+    if bool((torch.isinf(out[1:]) & torch.isfinite(phys[1:])).any()):
+        raise UnsupportedOpError(
+            f"jvpreg clone mode: a cast of the clone batch from {phys.dtype} to float16 inside the forward overflows "
+            "its tangent blocks (x + s u, with the scale s chosen for the input's dtype). Give jvpreg float16 "
+            "inputs, or run the call under float16 autocast, so that it chooses a scale for float16.")
 
 
 register_handler(
@@ -130,7 +143,11 @@ def _as_template(func, args, kwargs):
     kw = {k: (v[0] if is_clone(v) else v) for k, v in kwargs.items()}
     if not is_clone(x):
         return func(x, *rest, **kw)
-    return wrap(func(x.as_subclass(torch.Tensor), *rest, **kw), state=x._jvp_state)
+    phys = x.as_subclass(torch.Tensor)
+    out = func(phys, *rest, **kw)
+    if not x._jvp_state and out.dtype == torch.float16 != phys.dtype:
+        _check_fits_float16(phys, out)
+    return wrap(out, state=x._jvp_state)
 
 
 @register_handler(T.type_as)

@@ -1,10 +1,11 @@
 """The engine swept over PyTorch's own op database (OpInfo), against ``torch.func.jvp`` in float64.
 
-For every OpInfo with float64 and forward-AD support, up to ``N_SAMPLES`` (40) sample inputs, each floating
+For every OpInfo with float64 and a derivative, up to ``N_SAMPLES`` (40) sample inputs, each floating
 tensor operand in turn as the differentiated input (the others held constant), and the in-place
 variant (differentiated in its ``self`` operand), one case compares ``jvpreg.jvp`` with
-``torch.func.jvp`` (``torch.autograd.functional.jvp``, reverse mode, where forward AD fails) and
-classifies the result:
+``torch.func.jvp`` (``torch.autograd.functional.jvp``, reverse mode, where forward AD fails, as for ``cdist``,
+``index_reduce`` and attention, or is wrong: :data:`REVERSE_REFERENCE`; the definition where both are wrong:
+:data:`DEFINITIONS`) and classifies the result:
 
 * ``rule``: exact, no op took the fallback;          * ``fallback``: exact, some op took the fallback;
 * ``error``: a clear :class:`UnsupportedOpError`;    * ``skip``: the reference itself fails, or the op is random;
@@ -18,7 +19,8 @@ any other value is not.
 
 Gradients (what a penalty on the JVP trains with): where the values match and every input and reference output
 is finite, ``d/d(x, u)`` of a random linear functional ``L = <w_y, f(x)> + <w_t, J(x) u>`` is compared with
-reverse mode through ``torch.func.jvp``; where the two differ, the directional derivative of ``L`` (``torch.func.jvp``
+reverse mode through ``torch.func.jvp`` (through the double-backward trick where the reference is reverse mode);
+where the two differ, the directional derivative of ``L`` (``torch.func.jvp``
 values at ``x + h v``, Richardson-extrapolated central differences) decides, since torch's own reverse-over-forward
 is wrong for some ops (batch and layer norm). A wrong gradient is a ``mismatch``; an exception from the
 backward a ``crash`` (an :class:`UnsupportedOpError` there: an ``error``).
@@ -53,6 +55,31 @@ RANDOM_OPS = {
 }
 
 
+def _linear_cross_entropy_by_definition(input, linear_weight, target, *, linear_bias=None, weight=None,
+                                        reduction="mean", ignore_index=None, label_smoothing=0.0, options=None):
+    """torch's documented reference implementation of ``F.linear_cross_entropy``."""
+    import torch.nn.functional as F
+
+    classes, *out_features, in_features = linear_weight.shape
+    logits = F.linear(input, linear_weight.reshape(-1, in_features),
+                      None if linear_bias is None else linear_bias.reshape(-1))
+    logits = logits.reshape(*input.shape[:-1], classes, *out_features)
+    return F.cross_entropy(logits, target, weight=weight, reduction=reduction,
+                           ignore_index=-100 if ignore_index is None else ignore_index, label_smoothing=label_smoothing)
+
+
+# Ops whose derivatives torch gets wrong in both modes, checked against their definition instead: the chunked
+# linear_cross_entropy operators take their gradient flags from requires_grad at the call (torch.func.jvp gives a
+# zero tangent), and their backward is not differentiable (no double-backward reference).
+DEFINITIONS = {"nn.functional.linear_cross_entropy": _linear_cross_entropy_by_definition}
+
+# Ops whose forward-mode formula torch gets wrong (its OpInfo marks them unsupported, and torch.func.jvp still runs):
+# reverse-mode references. Elsewhere torch.func.jvp comes first and reverse mode is the reference only where it fails
+# (``native_layer_norm``, which the OpInfo also marks, has a correct forward-mode formula, and reverse mode treats its
+# statistics as constants).
+REVERSE_REFERENCE = {"scatter_reduce.prod"}
+
+
 @dataclasses.dataclass
 class Case:
     op: str            # OpInfo name
@@ -61,6 +88,12 @@ class Case:
     operand: int       # index of the differentiated leaf among the sample's flattened arguments
     fn: Callable
     primal: torch.Tensor
+    forward_ad: bool = True  # False: torch's forward AD of the op is wrong; the references are reverse mode
+    ref_fn: Callable | None = None  # the references' function where it is not ``fn`` (:data:`DEFINITIONS`)
+
+    @property
+    def reference_fn(self) -> Callable:
+        return self.fn if self.ref_fn is None else self.ref_fn
 
     @property
     def id(self) -> str:
@@ -77,10 +110,10 @@ class Result:
 
 
 def sweep_ops() -> list:
-    """OpInfos with float64 and forward-AD support on CPU."""
+    """OpInfos with float64 and a derivative (forward or reverse mode) on CPU."""
     from torch.testing._internal.common_methods_invocations import op_db
 
-    return [o for o in op_db if o.supports_forward_ad and D in o.supported_dtypes("cpu")]
+    return [o for o in op_db if (o.supports_forward_ad or o.supports_autograd) and D in o.supported_dtypes("cpu")]
 
 
 def _is_float(t: Any) -> bool:
@@ -106,11 +139,14 @@ def cases(op, n_samples: int = N_SAMPLES) -> Iterator[Case]:
     for si, s in enumerate(samples):
         flat, spec = tree_flatten((s.input, tuple(s.args), dict(s.kwargs)))
         floats = [i for i, v in enumerate(flat) if _is_float(v) and v.dtype == D][:MAX_OPERANDS]
+        definition = DEFINITIONS.get(op.name)
+        forward_ad = (f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name) not in REVERSE_REFERENCE
         for i in floats:
-            yield Case(op.name, "", si, i, _call(op.op, flat, spec, i, False), flat[i])
+            ref = None if definition is None else _call(definition, flat, spec, i, False)
+            yield Case(op.name, "", si, i, _call(op.op, flat, spec, i, False), flat[i], forward_ad, ref)
         inplace = op.inplace_variant
         if inplace is not None and floats and floats[0] == 0 and isinstance(s.input, torch.Tensor):
-            yield Case(op.name, "inplace", si, 0, _call(inplace, flat, spec, 0, True), flat[0])
+            yield Case(op.name, "inplace", si, 0, _call(inplace, flat, spec, 0, True), flat[0], forward_ad)
 
 
 def _tangent_like(x: torch.Tensor, seed: int) -> torch.Tensor:
@@ -120,16 +156,24 @@ def _tangent_like(x: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.randn(x.shape, dtype=x.dtype, generator=g)
 
 
-def reference(fn: Callable, x: torch.Tensor, u: torch.Tensor):
-    """``(f(x), J u)`` by ``torch.func.jvp``; reverse mode (double-backward trick) where it fails."""
+def reference(fn: Callable, x: torch.Tensor, u: torch.Tensor, forward_ad: bool = True):
+    """``(f(x), J u)`` by ``torch.func.jvp``; reverse mode (double-backward trick) where it fails, or where
+    ``forward_ad`` is False (torch's forward-mode formula for the op is missing or wrong)."""
+    first, second = ((lambda: torch.func.jvp(fn, (x,), (u,))), (lambda: _double_vjp(fn, x, u)))
+    if not forward_ad:  # torch.func.jvp only where reverse mode cannot run (integer outputs)
+        first, second = second, first
     try:
-        return torch.func.jvp(fn, (x,), (u,))
+        return first()
     except Exception:
-        out = fn(x.clone())
-        if not all(_is_float(o) or not isinstance(o, torch.Tensor) for o in tree_flatten(out)[0]):
-            raise
-        y, t = torch.autograd.functional.jvp(lambda z: fn(z.clone()), (x,), (u,))
-        return y, t
+        return second()
+
+
+def _double_vjp(fn: Callable, x: torch.Tensor, u: torch.Tensor, create_graph: bool = False):
+    """``(f(x), J u)`` by the double-backward trick (differentiable with ``create_graph``)."""
+    out = fn(x.clone())
+    if not all(_is_float(o) or not isinstance(o, torch.Tensor) for o in tree_flatten(out)[0]):
+        raise TypeError("the reverse-mode reference takes float outputs only")
+    return torch.autograd.functional.jvp(lambda z: fn(z.clone()), (x,), (u,), create_graph=create_graph)
 
 
 def mismatch(got, want, ref_primal, what: str) -> str:
@@ -178,7 +222,7 @@ def run_case(case: Case, u: torch.Tensor | None = None) -> Result:
     u = _tangent_like(x, 1) if u is None else u
     try:
         torch.manual_seed(0)
-        ref_y, ref_t = reference(case.fn, x.clone(), u)
+        ref_y, ref_t = reference(case.reference_fn, x.clone(), u, case.forward_ad)
     except Exception as err:  # the reference refuses: nothing to compare with
         return Result(case, "skip", f"reference failed: {type(err).__name__}: {str(err)[:120]}")
     if case.op in RANDOM_OPS:
@@ -201,7 +245,7 @@ def run_case(case: Case, u: torch.Tensor | None = None) -> Result:
     if bad:
         return Result(case, "mismatch", bad, tuple(seen))
     try:
-        bad = gradient_mismatch(case.fn, x, u, ref_y, ref_t)
+        bad = gradient_mismatch(case.fn, x, u, ref_y, ref_t, case.forward_ad, case.ref_fn)
     except UnsupportedOpError as err:
         return Result(case, "error", "backward: " + str(err).split(". ")[0][:200])
     except Exception as err:
@@ -253,20 +297,30 @@ def _torch_func(fn, x, u):
     return torch.func.jvp(fn, (x,), (u,))
 
 
-def gradient_mismatch(fn: Callable, x: torch.Tensor, u: torch.Tensor, ref_y, ref_t) -> str:
-    """"" (close, or nothing to compare) or a description of a wrong gradient; see the module docstring."""
+def _torch_reverse(fn, x, u):
+    return _double_vjp(fn, x, u, create_graph=True)
+
+
+def gradient_mismatch(fn: Callable, x: torch.Tensor, u: torch.Tensor, ref_y, ref_t, forward_ad: bool = True,
+                      ref_fn: Callable | None = None) -> str:
+    """"" (close, or nothing to compare) or a description of a wrong gradient; see the module docstring
+    (``ref_fn``: the references' function, where it is not ``fn``)."""
+    ref_fn = fn if ref_fn is None else ref_fn
     if not _is_float(x) or x.is_complex() or x.numel() == 0 or not bool(torch.isfinite(x).all()):
         return ""
     leaves = _float_leaves(ref_y) + _float_leaves(ref_t)
     if not leaves or not all(bool(torch.isfinite(l).all()) for l in leaves):
         return ""
     g = torch.Generator().manual_seed(2)
-    try:
-        ref_run = _differentiable_run(_torch_func, fn, x, u)
-        # outputs torch declares non-differentiable (batch norm's saved statistics) are left out of L
-        differentiable = [l.requires_grad for l in _float_leaves(ref_run[0])]
-    except Exception:
-        ref_run, differentiable = None, [True] * len(leaves)
+    ref_run, differentiable = None, [True] * len(leaves)
+    for run in ((_torch_func, _torch_reverse) if forward_ad else (_torch_reverse,)):
+        try:
+            ref_run = _differentiable_run(run, ref_fn, x, u)
+            # outputs torch declares non-differentiable (batch norm's saved statistics) are left out of L
+            differentiable = [l.requires_grad for l in _float_leaves(ref_run[0])]
+            break
+        except Exception:
+            continue
     weights = [torch.randn(l.shape, dtype=D, generator=g) if d else None for l, d in zip(leaves, differentiable)]
     try:
         ref = None if ref_run is None else _grads(ref_run, weights)
@@ -285,7 +339,7 @@ def gradient_mismatch(fn: Callable, x: torch.Tensor, u: torch.Tensor, ref_y, ref
 
     def along(h: float) -> float:
         torch.manual_seed(0)
-        y, t = reference(fn, x + h * vx, u + h * vu)
+        y, t = reference(ref_fn, x + h * vx, u + h * vu, forward_ad)
         return float(_functional(y, t, weights))
 
     got = float((ours[0] * vx).sum() + (ours[1] * vu).sum())
@@ -336,8 +390,8 @@ F32_ATOL = 1e-6     # ... plus this fraction of max |f(x)|: the difference form'
 
 def float32_errors(op, n_samples: int = N_SAMPLES) -> list:
     """``(case id, our error, torch.func's error, allowed)`` of every float32 case of ``op`` whose tangent is further
-    from the float64 reference (``torch.func.jvp`` on the same inputs cast to float64) than ``F32_RATIO`` times
-    ``torch.func.jvp``'s own float32 error plus ``F32_ATOL * max |f(x)|``: a JVP silently wrong in the dtype models
+    from the float64 reference (:func:`reference` on the same inputs cast to float64) than ``F32_RATIO`` times
+    the reference's own float32 error plus ``F32_ATOL * max |f(x)|``: a JVP silently wrong in the dtype models
     train in. Compared where the reference primal and tangent are finite (elsewhere the 0/NaN convention of the
     float64 sweep holds); cases where either side raises are left to the float64 sweep."""
     import jvpreg
@@ -352,14 +406,16 @@ def float32_errors(op, n_samples: int = N_SAMPLES) -> list:
         flat, spec = tree_flatten((s.input, tuple(s.args), dict(s.kwargs)))
         samples.append(([v.clone() if isinstance(v, torch.Tensor) else v for v in flat], spec))
     bad = []
+    definition = DEFINITIONS.get(op.name, op.op)  # the references' function and mode, as in the float64 sweep
+    forward_ad = (f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name) not in REVERSE_REFERENCE
     for si, (flat, spec) in enumerate(samples):
         for i in [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.dtype == f32][:MAX_OPERANDS]:
             u = _tangent_like(flat[i], 1)
             try:
-                ref_y, ref_t = reference(_call(op.op, [_as(v, D) for v in flat], spec, i, False), flat[i].double(),
-                                         u.double())
+                ref_y, ref_t = reference(_call(definition, [_as(v, D) for v in flat], spec, i, False),
+                                         flat[i].double(), u.double(), forward_ad)
                 fn = _call(op.op, flat, spec, i, False)
-                _, torch_t = torch.func.jvp(fn, (flat[i].clone(),), (u,))
+                _, torch_t = reference(_call(definition, flat, spec, i, False), flat[i].clone(), u, forward_ad)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     _, t = jvpreg.jvp(fn, (flat[i].clone(),), (u,))

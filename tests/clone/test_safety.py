@@ -541,3 +541,90 @@ def test_a_pad_longer_than_the_input_dims_raises_torchs_error(pad):
     with pytest.raises(RuntimeError) as ours:
         jvpreg.jvp(pad, (x,), (u,))
     assert str(ours.value) == str(theirs.value)
+
+
+# ----------------------------------------------------------------------------- the reverse-mode fallback
+
+def _double_vjp(f, x, u):
+    """torch's own reverse-mode JVP (the double-backward trick), differentiable."""
+    return torch.autograd.functional.jvp(f, (x,), (u,), create_graph=True)
+
+
+def _penalty_gradient(run, f, x, u):
+    xr = x.clone().requires_grad_()
+    y, t = run(f, xr, u)
+    return torch.autograd.grad(y.sum() + t.pow(2).sum(), xr)[0]
+
+
+REVERSE_MODE_SETTINGS = [  # torch has no forward-mode formula for these (torch.func.jvp raises)
+    {"id": "cdist", "func": lambda x: torch.cdist(x, torch.linspace(-1, 1, 12, dtype=D).reshape(4, 3) ** 3)},
+    {"id": "index_reduce-mean", "func": lambda x: torch.zeros(2, 3, dtype=D).index_reduce(
+        0, torch.tensor([0, 1, 0, 1, 1]), x[:, :3] if x.shape[0] == 5 else x, "mean", include_self=False)},
+]
+
+
+@pytest.mark.parametrize("setting", [pytest.param(s, id=s["id"]) for s in REVERSE_MODE_SETTINGS])
+def test_ops_without_forward_mode_formula_take_the_reverse_mode_fallback(setting, fresh_warnings):
+    """``J d = d/dv <J^T v, d>``: values and the penalty's gradient equal torch's own double-backward JVP."""
+    f = setting["func"]
+    g = torch.Generator().manual_seed(0)
+    x, u = torch.randn(5, 3, generator=g, dtype=D), torch.randn(5, 3, generator=g, dtype=D)
+    with pytest.raises(NotImplementedError, match="forward AD"):
+        torch.func.jvp(f, (x,), (u,))
+    with pytest.warns(dispatch.JVPFallbackWarning, match="reverse-mode"):
+        y, t = jvpreg.jvp(f, (x,), (u,))
+    y_ref, t_ref = _double_vjp(f, x, u)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-10)
+    ours = _penalty_gradient(lambda f, x, u: jvpreg.jvp(f, (x,), (u,)), f, x, u)
+    torch.testing.assert_close(ours, _penalty_gradient(_double_vjp, f, x, u), rtol=1e-8, atol=1e-10)
+
+
+def test_scatter_reduce_prod_is_exact_where_torchs_forward_mode_formula_is_wrong():
+    """torch.func.jvp of ``scatter_reduce(..., "prod")`` is wrong (its OpInfo marks it unsupported); an entry with
+    ``include_self=False`` that receives a value no longer depends on ``x``: tangent 0 there, ``u`` elsewhere."""
+    g = torch.Generator().manual_seed(0)
+    x, u = torch.randn(10, 5, generator=g, dtype=D), torch.randn(10, 5, generator=g, dtype=D)
+    src, idx = torch.randn(5, 5, generator=g, dtype=D), torch.randint(0, 10, (5, 5), generator=g)
+    hit = torch.zeros(10, 5, dtype=torch.bool).scatter_(0, idx, True)
+    want = torch.where(hit, 0.0, u)
+    f = lambda z: z.scatter_reduce(0, idx, src, "prod", include_self=False)
+    assert not torch.allclose(torch.func.jvp(f, (x,), (u,))[1], want)  # torch's forward mode
+    for h in (f, lambda z: z.clone().scatter_reduce_(0, idx, src, "prod", include_self=False)):
+        torch.testing.assert_close(jvpreg.jvp(h, (x,), (u,))[1], want, rtol=0, atol=1e-14)
+
+
+def test_an_op_whose_backward_is_not_differentiable_is_refused(fresh_warnings):
+    """No forward-mode formula and a backward without a graph: reverse mode cannot take the JVP, so a clear error
+    (not the zero tangent that a ``J^T v`` taken at ``v = 0`` would give)."""
+    lib = torch.library.Library("jvpreg_test_rev", "FRAGMENT")
+    lib.define("cube(Tensor x) -> Tensor")
+    lib.impl("cube", lambda x: x ** 3, "CompositeExplicitAutograd")
+
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.no_grad():
+            return grad * 3 * x ** 2
+
+    torch.library.register_autograd("jvpreg_test_rev::cube", backward,
+                                    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+    with pytest.raises(jvpreg.UnsupportedOpError, match="not differentiable"):
+        jvpreg.jvp(lambda x: torch.ops.jvpreg_test_rev.cube(x), (X,), (U,))
+
+
+def test_a_cast_to_float16_that_overflows_the_tangent_blocks_raises():
+    """float32 input, a float16 cast inside: the blocks ``x + s u`` (s chosen for float32) overflow float16; a clear
+    error, not an infinite tangent. From float16 inputs the scale fits and the JVP is exact."""
+    f = lambda x: (x.half() * 2).float()
+    x, u = torch.randn(3, 4), torch.randn(3, 4)
+    with pytest.raises(jvpreg.UnsupportedOpError, match="float16"):
+        jvpreg.jvp(f, (x,), (u,))
+    _, t = jvpreg.jvp(lambda x: x.half() * 2, (x.half(),), (u.half(),))
+    torch.testing.assert_close(t, (u * 2).half())
+
+
+def test_sparse_inputs_and_outputs_are_refused_clearly():
+    with pytest.raises(jvpreg.UnsupportedOpError, match="layout"):
+        jvpreg.jvp(lambda x: x * 2, (X.to_sparse(),), (U.to_sparse(),))
+    with pytest.raises(jvpreg.UnsupportedOpError, match="sparse"):
+        jvpreg.jvp(lambda x: x.to_sparse(), (X,), (U,))

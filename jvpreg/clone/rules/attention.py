@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..dispatch import without_torch_function_guard
 from ..registry import register_handler, register_rule
 from .. import kernels
-from ..tensor import delta_blocks, is_clone, kept_primal, primal_block, raw, varies
+from ..tensor import delta_blocks, is_clone, kept_primal, primal_block, raw, varies, wrap
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -44,10 +44,26 @@ def _owned(t):
     return t
 
 
+def _one_rank(*ts):
+    """``ts`` with their logical shapes left-padded with 1s to one rank: SDPA broadcasts its batch dims (a 3-d query
+    against 4-d keys), and a tangent's block dim must never meet a batch dim of another operand."""
+    nd = max(t.dim() - is_clone(t) for t in ts if t is not None)
+    out = []
+    for t in ts:
+        pad = 0 if t is None else nd - (t.dim() - is_clone(t))
+        if pad and is_clone(t):  # (K, 1.., *logical)
+            t = wrap(raw(t).reshape(t.shape[0], *([1] * pad), *t.shape[1:]), state=t._jvp_state)
+        elif pad:
+            t = t.reshape(*([1] * pad), *t.shape)
+        out.append(t)
+    return out
+
+
 @register_rule(F.scaled_dot_product_attention)
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """SDPA linearised at the primal block (formula in the module docstring)."""
+    query, key, value, attn_mask = _one_rank(query, key, value, attn_mask)
     q, k = (kept_primal(t) if is_clone(t) else t for t in (query, key))
     vary = varies(value)
     if vary:  # the product with every value block keeps them for backward: v is a view of them

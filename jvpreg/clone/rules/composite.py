@@ -131,6 +131,22 @@ def cross_entropy(input, target, weight=None, reduction=1, ignore_index=-100, la
     return torch._C._nn.nll_loss_nd(torch.log_softmax(input, dim), target, weight, reduction, ignore_index)
 
 
+if hasattr(F, "linear_cross_entropy"):  # torch >= 2.15
+    @def_composite(F.linear_cross_entropy)
+    def linear_cross_entropy(input, linear_weight, target, linear_bias=None, weight=None, reduction="mean",
+                             ignore_index=None, label_smoothing=0.0, options=None):
+        """``cross_entropy(linear(x))``: the fused operator takes its gradient flags from ``requires_grad`` at the
+        call (a clone input's is False where a JVP still needs the derivative), so it is linearised by its
+        definition; the primal is the fused call."""
+        classes, *out_features, in_features = linear_weight.shape  # torch's reference implementation
+        logits = F.linear(input, linear_weight.reshape(-1, in_features),
+                          None if linear_bias is None else linear_bias.reshape(-1))
+        logits = logits.reshape(*input.shape[:-1], classes, *out_features)
+        return F.cross_entropy(logits, target, weight=weight, reduction=reduction,
+                               ignore_index=-100 if ignore_index is None else ignore_index,
+                               label_smoothing=label_smoothing)
+
+
 def _frozen(x):
     """The primal block of clone ``x`` in every block: a constant (zero tangent) that keeps its gradient, for the
     weights ``w(a)`` of a linearisation ``sum(w(a) d)``: ``detach`` would drop ``dw/da`` from the gradient of a
