@@ -571,9 +571,14 @@ def test_ops_without_forward_mode_formula_take_the_reverse_mode_fallback(setting
     x, u = torch.randn(5, 3, generator=g, dtype=D), torch.randn(5, 3, generator=g, dtype=D)
     with pytest.raises(NotImplementedError, match="forward AD"):
         torch.func.jvp(f, (x,), (u,))
+    try:
+        y_ref, t_ref = _double_vjp(f, x, u)
+    except (NotImplementedError, RuntimeError):  # torch 2.11: no double backward of cdist either
+        with pytest.raises(jvpreg.UnsupportedOpError, match="reverse mode"):
+            jvpreg.jvp(f, (x,), (u,))
+        return
     with pytest.warns(dispatch.JVPFallbackWarning, match="reverse-mode"):
         y, t = jvpreg.jvp(f, (x,), (u,))
-    y_ref, t_ref = _double_vjp(f, x, u)
     torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(t, t_ref, rtol=1e-10, atol=1e-10)
     ours = _penalty_gradient(lambda f, x, u: jvpreg.jvp(f, (x,), (u,)), f, x, u)
