@@ -321,6 +321,31 @@ def test_train_benchmark_compares_double_backprop_with_the_compiled_engine(tmp_p
     assert "nan" not in md  # no plain_2b in this run: its ratio cells are empty
 
 
+def test_train_benchmark_autocast_runs_each_steps_forward_in_bfloat16(tmp_path):
+    """``--autocast bf16``: the forward and penalty of every method under torch.autocast (the GPU tables' bf16 rows),
+    so each step keeps bfloat16 activations for backward; the gradient check stays in float64."""
+    from jvpreg.bench import train
+
+    batch = _mlp_batch(train)
+    for method in ("plain", "clone", "double_backprop"):
+        full, half = train.Step(method, *batch), train.Step(method, *batch, autocast=torch.bfloat16)
+        with half.amp():
+            assert half.model(half.x).dtype == torch.bfloat16
+        assert torch.isfinite(half()) and half.model[1].weight.grad.dtype == torch.float32  # float32 weights
+        for step, dtype in ((full, torch.float32), (half, torch.bfloat16)):  # what backward keeps
+            dtypes = set()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: dtypes.add(t.dtype) or t, lambda t: t):
+                with step.amp():
+                    step.loss(step.model, step.shared, step.random_penalty)
+            assert (torch.bfloat16 in dtypes) == (dtype == torch.bfloat16), (method, dtypes)
+    out = tmp_path / "train"
+    assert train.main(["--models", "mlp:8", "--methods", "plain,clone,clone_eager", "--repeats", "1", "--warmup",
+                       "1", "--autocast", "bf16", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["autocast"] == "bf16" and "under `torch.autocast` (bf16)" in out.with_suffix(".md").read_text()
+    assert {r["method"]: r["grad_check"] for r in result["results"] if "grad_check" in r} == {"clone_eager": "ok"}
+
+
 def test_peak_live_bytes_counts_a_temporary_and_not_what_was_live_before():
     from jvpreg.bench.memory import peak_live_bytes
 

@@ -43,10 +43,13 @@ medians (what the targets use) and process CPU time are reported. On a busy mach
 parallel region (slowdowns of 10-100x were seen). ``--no-inplace`` turns in-place activations
 (ResNet's ``ReLU(inplace=True)``) into out-of-place ones for every method. ``--device cuda`` times with CUDA
 synchronisation and takes peak memory from the caching allocator (written for the GPU tables; not run here: no GPU).
+``--autocast bf16`` runs every method's forward and penalty under ``torch.autocast`` (backward outside it, as in a
+user's mixed-precision step); the float64 gradient check runs without it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -72,6 +75,7 @@ METHODS = ("plain", "plain_2b", "clone", "clone_eager", "double_backprop", "forw
 CLONE_ENGINES = {"clone": "auto", "clone_eager": "eager", "clone_compiled": "compiled"}
 JVP_METHODS = ("forward_ad", "func_jvp", "functional_jvp", "clone_eager", "clone_compiled")
 DEFAULT_OUT = "experiments/results/bench_train_cpu"
+AUTOCAST = {"none": None, "bf16": torch.bfloat16}
 
 
 def build(name: str) -> tuple:
@@ -124,8 +128,10 @@ class FixedDirection(JacobianFrobenius):
 class Step:
     """One method's training step on a private copy of the model (same initial weights for all)."""
 
-    def __init__(self, method: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, u: torch.Tensor):
+    def __init__(self, method: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, u: torch.Tensor,
+                 autocast: Optional[torch.dtype] = None):
         self.method, self.initial, self.x, self.y, self.u = method, model, x, y, u
+        self.autocast = autocast
         self.model = copy.deepcopy(model).train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
         self.forward = (torch.compile(self.model, options=inductor_options(x.device.type))  # as the compiled engine
@@ -135,10 +141,17 @@ class Step:
 
     def __call__(self) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
-        loss = self.loss(self.model, self.shared, self.random_penalty)
+        with self.amp():
+            loss = self.loss(self.model, self.shared, self.random_penalty)
         loss.backward()
         self.opt.step()
         return loss.detach()
+
+    def amp(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast region (``--autocast``; backward runs outside it, as in a user's AMP step)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.x.device.type, dtype=self.autocast)
 
     def _shared(self, model: nn.Module) -> Optional[SharedForward]:
         engine = CLONE_ENGINES.get(self.method)
@@ -215,8 +228,11 @@ def saved_for_backward(step: "Step") -> float:
     what the clone rules must keep to the 2B forward's (``tests/clone/test_grad.py`` checks them layer by
     layer).
     """
-    return memory.saved_bytes(lambda: step.loss(step.model, step.shared, step.random_penalty),
-                              exclude=step.model.parameters())
+    def loss() -> torch.Tensor:
+        with step.amp():
+            return step.loss(step.model, step.shared, step.random_penalty)
+
+    return memory.saved_bytes(loss, exclude=step.model.parameters())
 
 
 def peak_memory(step: "Step", repeats: int = 5) -> Optional[float]:
@@ -279,7 +295,8 @@ def _grad_check(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor]) -> f
 
 
 def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[str], inplace: bool = True,
-              profile: bool = False, log=print, device: str = "cpu") -> List[dict]:
+              profile: bool = False, log=print, device: str = "cpu",
+              autocast: Optional[torch.dtype] = None) -> List[dict]:
     torch.manual_seed(0)
     model, shape = build(name)
     model = model.to(device)
@@ -295,7 +312,7 @@ def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[st
     for method in methods:
         row = {"model": name, "method": method, "batch": batch, "input": list(shape)}
         try:
-            step = Step(method, model, x, y, u)
+            step = Step(method, model, x, y, u, autocast)
             # fails fast, before any timing; at least 2 steps: engine="auto" captures on the second
             for _ in range(max(2, warmup)):
                 step()
@@ -443,6 +460,8 @@ def markdown(result: dict) -> str:
              "task loss + lambda * JacobianFrobenius (1 projection, whole batch) through the callbacks' "
              "shared forward; the others are the autodiff alternatives (see `jvpreg/bench/train.py`). "
              "Models in train mode (ResNet-18: train-mode BatchNorm)."
+             + (f" Forward and penalty under `torch.autocast` ({result['autocast']}), backward outside it; the "
+                "gradient check runs in float64 without autocast." if result.get("autocast") else "")
              + ("" if result["inplace_activations"] else " In-place activations made out-of-place for every "
                 "method (`--no-inplace`)."), "",
              f"Command: `{result['command']}`", "",
@@ -520,6 +539,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device", default="cpu",
                         help="cpu or cuda[:N] (CUDA-synchronised timing; peak memory from the caching allocator's "
                              "statistics; not run here: no GPU)")
+    parser.add_argument("--autocast", choices=("none", "bf16"), default="none",
+                        help="run every method's forward (and the penalty) under torch.autocast at this dtype; "
+                             "the gradient check stays in float64 without autocast")
     parser.add_argument("--no-inplace", action="store_true",
                         help="make in-place activations (ResNet's ReLU(inplace=True)) out-of-place for every method")
     parser.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown per method")
@@ -540,13 +562,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     steady = bool(args.steady_malloc and report.steady_malloc())
     command = report.command_line("python -m jvpreg.bench train", sys.argv[1:] if argv is None else argv)
     load0 = [round(v, 2) for v in os.getloadavg()]
-    print(f"bench train: {args.models} batch {args.batch}, {args.repeats} repeats, {torch.get_num_threads()} threads")
+    print(f"bench train: {args.models} batch {args.batch}, {args.repeats} repeats, {torch.get_num_threads()} threads"
+          + (f", {args.autocast} autocast" if args.autocast != "none" else ""))
     rows: List[dict] = []
     for spec in args.models.split(","):  # name or name:batch
         name, _, b = spec.partition(":")
         rows += run_model(name, int(b) if b else args.batch, args.repeats, args.warmup, methods,
-                          inplace=not args.no_inplace, profile=args.profile, device=args.device)
+                          inplace=not args.no_inplace, profile=args.profile, device=args.device,
+                          autocast=AUTOCAST[args.autocast])
     result = {"command": command.strip(), "machine": machine_description(args.device), "device": args.device,
+              "autocast": None if args.autocast == "none" else args.autocast,
               "load_average_start": load0,
               "inplace_activations": not args.no_inplace, "threads": torch.get_num_threads(), "steady_malloc": steady,
               "load_average_end": [round(v, 2) for v in os.getloadavg()], "lambda": LAM,
