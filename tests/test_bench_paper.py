@@ -271,6 +271,24 @@ def test_capture_benchmark_records_a_model_whose_process_failed_and_still_writes
     assert "failures: process:" in capture.to_markdown(result, meta)
 
 
+def test_capture_benchmark_runs_the_autodiff_methods_on_unfused_attention():
+    """torch's fused attention (the eval-mode ``nn.MultiheadAttention`` fast path) has no forward AD: the autodiff
+    methods run on the math path, as a torch.func user would, agree with the clone JVP, and leave the flags as found."""
+    from jvpreg.bench import capture
+
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    x, u = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    with torch.no_grad(), pytest.raises(Exception, match="forward AD"):
+        torch.func.jvp(model, (x,), (u,))  # the fused path: what the wrapper exists for
+    fns = capture.method_fns(model, x, u, ["captured", "torch.func.jvp", "forward_ad"])
+    with torch.no_grad():
+        ref = fns["captured"]()[1]
+        for method in ("torch.func.jvp", "forward_ad"):
+            torch.testing.assert_close(fns[method]()[1], ref, rtol=1e-4, atol=1e-5)
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
 def test_capture_benchmark_refuses_a_burst_below_one(capsys):
     from jvpreg.bench import capture
 

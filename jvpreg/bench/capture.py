@@ -8,7 +8,9 @@ engine, compiled with the same Inductor options: :func:`jvpreg.clone.capture.ind
 of a shared machine hit every method alike and no method always runs right after the one that warmed
 its caches (``forward_B`` before ``forward_2B`` ran the same code on the same weights: a fixed order
 favoured the 2B forward by 5-15% on the sub-millisecond models); times are medians over rounds. Every method's JVP is checked against the eager clone
-engine once, and a method that fails is recorded as failing (the run goes on).
+engine once, and a method that fails is recorded as failing (the run goes on). The autodiff methods run with
+attention unfused (``nn.MultiheadAttention``'s fast path off, SDPA's math kernel: torch's fused attention has no
+forward AD, so a ViT fails otherwise); the clone engines and the plain forwards keep the fused kernels.
 
 Suites: ``small`` (the four small-op models of the captured-clone issue), ``rnn`` (the paper's
 row-by-row Elman RNN, a 2-layer LSTM and a GRU on 8-step sequences, and the LSTM and GRU on packed sequences of
@@ -139,8 +141,26 @@ def _forward_ad(model, x, u):
         return fwAD.unpack_dual(model(fwAD.make_dual(x, u)))
 
 
+def on_math_attention(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with attention on its unfused path: ``nn.MultiheadAttention``'s eval-mode fast path off and
+    scaled-dot-product attention on its math kernel. torch's fused attention kernels have no forward AD, so this is
+    how a ``torch.func.jvp`` user gets a ViT to run at all; the clone engines keep the fused kernels."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run():
+        fast = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                return fn()
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fast)
+    return run
+
+
 def method_fns(model: nn.Module, x: torch.Tensor, u: torch.Tensor, methods) -> Dict[str, Callable[[], object]]:
-    """One zero-argument callable per method; each returns ``(y, Ju)`` or the forward's output."""
+    """One zero-argument callable per method; each returns ``(y, Ju)`` or the forward's output. The autodiff
+    methods run with attention unfused (:func:`on_math_attention`)."""
     x2 = torch.cat([x, x])
     fns: Dict[str, Callable[[], object]] = {
         "forward_B": lambda: model(x),
@@ -148,8 +168,8 @@ def method_fns(model: nn.Module, x: torch.Tensor, u: torch.Tensor, methods) -> D
         "eager": lambda: jvpreg.jvp(model, (x,), (u,), engine="eager"),
         "captured": lambda: jvpreg.jvp(model, (x,), (u,), engine="captured"),
         "compiled": lambda: jvpreg.jvp(model, (x,), (u,), engine="compiled"),
-        "torch.func.jvp": lambda: torch.func.jvp(model, (x,), (u,)),
-        "forward_ad": lambda: _forward_ad(model, x, u),
+        "torch.func.jvp": on_math_attention(lambda: torch.func.jvp(model, (x,), (u,))),
+        "forward_ad": on_math_attention(lambda: _forward_ad(model, x, u)),
     }
     options = inductor_options(x.device.type)  # the compiled engine's Inductor options, for a like-for-like ratio
     if "compiled_forward_2B" in methods:
@@ -160,7 +180,7 @@ def method_fns(model: nn.Module, x: torch.Tensor, u: torch.Tensor, methods) -> D
         fns["compiled_forward_2B_default"] = lambda: default_model(x2)
     if "compiled_torch.func.jvp" in methods:
         cj = torch.compile(lambda a, b: torch.func.jvp(model, (a,), (b,)), dynamic=False, options=options)
-        fns["compiled_torch.func.jvp"] = lambda: cj(x, u)
+        fns["compiled_torch.func.jvp"] = on_math_attention(lambda: cj(x, u))
     return {m: fns[m] for m in methods}
 
 
