@@ -126,11 +126,13 @@ def check_not_custom_output(values: Any) -> None:
 
 def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
     check_not_custom_output(args)
-    if kwargs and kwargs.get("out") is not None:
-        raise UnsupportedOpError(
-            f"jvpreg clone mode: {op_name(func)}(..., out=...) is not supported; use the out-of-place form "
-            "(a batch tensor cannot be written into a preallocated `out`)."
-        )
+    if kwargs and "out" in kwargs:
+        if kwargs["out"] is not None:
+            raise UnsupportedOpError(
+                f"jvpreg clone mode: {op_name(func)}(..., out=...) is not supported; use the out-of-place form "
+                "(a batch tensor cannot be written into a preallocated `out`)."
+            )
+        kwargs = {k: v for k, v in kwargs.items() if k != "out"}  # `out=None` is the out-of-place call
     if kwargs:
         args, kwargs = tensor_args_first(func, args, kwargs)
     a0 = args[0] if args else None
@@ -405,6 +407,24 @@ def _forward_ad_is_wrong(func: Callable, args: tuple, kwargs: dict) -> bool:
     return check is not None and check(args, kwargs)
 
 
+_FORWARD_AD_LOADED = [False]
+
+
+def _load_forward_ad() -> None:
+    """Load torch's forward-AD decompositions once, with the ``torch.jit.script`` deprecation warning that torch
+    raises while loading them silenced: under ``-W error`` (pytest's ``filterwarnings = error``) that warning of
+    torch's own would fail every fallback."""
+    if _FORWARD_AD_LOADED[0]:
+        return
+    from torch.autograd import forward_ad as fwAD
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*", category=FutureWarning)
+        with fwAD.dual_level():
+            fwAD.make_dual(torch.zeros(1), torch.zeros(1))
+    _FORWARD_AD_LOADED[0] = True
+
+
 def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Exact per-op linearisation at block 0 with ``torch.func.jvp``, or in reverse mode (two backward passes)
     where torch has no forward-mode formula for the op or a wrong one (see module docstring)."""
@@ -443,6 +463,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
             fl = (xs[0].sum() * 0,)
         return fl, out
 
+    _load_forward_ad()
     primals = tuple(_dense(flat[i][0]) for i in diff)
     device = primals[0].device
     rng = _rng_state(device) if k > 2 else None

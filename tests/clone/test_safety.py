@@ -633,3 +633,64 @@ def test_sparse_inputs_and_outputs_are_refused_clearly():
         jvpreg.jvp(lambda x: x * 2, (X.to_sparse(),), (U.to_sparse(),))
     with pytest.raises(jvpreg.UnsupportedOpError, match="sparse"):
         jvpreg.jvp(lambda x: x.to_sparse(), (X,), (U,))
+
+
+# ----------------------------------------------------------------------------- in-place ops on themselves, out=None
+
+#: ``y.op_(y, ...)``: the target is also an operand. Reference: the explicit derivative (torch's forward AD gets
+#: most of these wrong: it reads the operand's tangent after the write, e.g. y.mul_(y) gives y dy, not 2 y dy).
+SELF_ALIASED = {
+    "mul_": (lambda y: y.mul_(y), lambda x, u: 2 * x * u),
+    "imul": (lambda y: y.__imul__(y), lambda x, u: 2 * x * u),
+    "addcmul_": (lambda y: y.addcmul_(y, y, value=0.5), lambda x, u: (1 + x) * u),
+    "pow_": (lambda y: y.pow_(y), lambda x, u: x ** x * (x.log() + 1) * u),
+    "atan2_": (lambda y: y.atan2_(y), lambda x, u: 0 * u),
+    "hypot_": (lambda y: y.hypot_(y), lambda x, u: math.sqrt(2) * u),
+    "div_": (lambda y: y.div_(y), lambda x, u: 0 * u),
+    "sub_": (lambda y: y.sub_(y * y), lambda x, u: (1 - 2 * x) * u),
+    "add_alpha": (lambda y: y.add_(y, alpha=2), lambda x, u: 3 * u),
+    "copy_flip": (lambda y: y.copy_(y.flip(-1)), lambda x, u: u.flip(-1)),
+}
+
+
+@pytest.mark.filterwarnings("ignore::jvpreg.clone.dispatch.JVPFallbackWarning")
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("name", list(SELF_ALIASED))
+def test_inplace_op_on_itself_is_exact(name: str, engine: str) -> None:
+    op, derivative = SELF_ALIASED[name]
+    torch.manual_seed(0)
+    x, u = torch.rand(3, 4, dtype=D) + 0.5, torch.randn(3, 4, dtype=D)
+    for _ in range(2):  # captured: the capture, then the replay
+        out, t = jvpreg.jvp(lambda x: op(x.clone()), (x,), (u,), engine=engine)
+    torch.testing.assert_close(out, op(x.clone()), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t, derivative(x, u), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_an_explicit_out_none_is_the_out_of_place_call(engine: str) -> None:
+    torch.manual_seed(0)
+    x, u, w = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D), torch.randn(4, 2, dtype=D)
+
+    def f(x):
+        return torch.add(torch.maximum(torch.sin(x, out=None), x * 0.5, out=None), x, out=None).matmul(w)
+
+    ref = torch.func.jvp(f, (x,), (u,))
+    for _ in range(2):
+        got = jvpreg.jvp(f, (x,), (u,), engine=engine)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_fallback_runs_under_warnings_as_errors() -> None:
+    """torch warns (`torch.jit.script` is deprecated) while it loads its forward-AD decompositions on first use; a
+    user's `-W error` must not turn that into a failed fallback. A fresh process: the load happens once."""
+    import subprocess
+    import sys
+
+    code = ("import warnings, torch, jvpreg\n"
+            "from jvpreg.clone.dispatch import JVPFallbackWarning\n"
+            "warnings.filterwarnings('ignore', category=JVPFallbackWarning)\n"
+            "x, u = torch.rand(3, dtype=torch.float64) + 0.5, torch.randn(3, dtype=torch.float64)\n"
+            "t = jvpreg.jvp(lambda x: x.pow(x), (x,), (u,))[1]\n"
+            "ref = x ** x * (x.log() + 1) * u\n"
+            "assert torch.allclose(t, ref), (t, ref)\n")
+    subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)
