@@ -614,7 +614,8 @@ _register_autograd(layer_norm_tangent, _ln_tangent_backward, _keeping(2, sums=Fa
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, m: Optional[torch.Tensor], sc: float,
                     causal: bool, scale_scores: bool = False) -> torch.Tensor:
-    """``P = softmax(q k^T sc + mask)`` of the primal block (a bool mask or ``causal`` masks with ``-inf``).
+    """``P = softmax(q k^T sc + mask)`` of the primal block (a bool mask or ``causal`` masks with ``-inf``; a row
+    whose keys are all masked is 0, as in torch's SDPA).
     The smaller of ``q`` and the scores is scaled, or the scores with ``scale_scores`` (under autograd, where another
     product keeps ``q`` for backward anyway: ``q sc`` would be one more ``L x E`` tensor kept)."""
     L, S = q.shape[-2], k.shape[-2]
@@ -624,9 +625,10 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, m: Optional[torch.Tensor],
         s = (q @ k.transpose(-2, -1)) * sc
     if causal:
         s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=q.device).tril(diagonal=0), float("-inf"))
-    if m is not None:
-        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
-    return torch.softmax(s, dim=-1)
+    if m is None:
+        return torch.softmax(s, dim=-1)
+    s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+    return torch.ops.aten._safe_softmax(s, -1)  # as torch's SDPA: 0, not NaN, on a row whose keys are all masked
 
 
 def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -57,6 +57,11 @@ PATTERNS = {
         x.shape[-1], x.shape[-1], dtype=torch.bool).tril(-3).logical_not(), -INF), -1),
     "sdpa-float-mask": lambda x: F.scaled_dot_product_attention(
         x, x, x, attn_mask=torch.zeros(5, 5, dtype=D).masked_fill(causal(5), -INF)),
+    # a query whose keys are all masked: torch's SDPA gives 0 there (its _safe_softmax), so must the rule
+    "sdpa-bool-mask-fully-masked-row": lambda x: F.scaled_dot_product_attention(
+        x, x.flip(-1), x.tanh(), attn_mask=~causal(5) & (torch.arange(5) > 0)[:, None]),
+    "sdpa-float-mask-fully-masked-row": lambda x: F.scaled_dot_product_attention(
+        x, x, x, attn_mask=torch.zeros(5, 5, dtype=D).masked_fill(causal(5) | (torch.arange(5) == 2)[:, None], -INF)),
     "masked-output": lambda x: x.sin().masked_fill(causal(x.shape[-1]), -INF),
     # normalisations take plain block differences: an infinite entry makes its whole row NaN, as in torch.func
     "layer_norm-inf-entry": lambda x: F.layer_norm(x.masked_fill(causal(x.shape[-1]) & (x > 0.5), INF), (5,)),
@@ -204,3 +209,28 @@ def test_float32_program_keeps_no_fix(autocast):
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         jvpreg.jvp(module, (x,), (u,), engine="captured")
     assert fixes(module) == [0]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_sdpa_fully_masked_row_penalty_gradient_is_finite_and_exact(monkeypatch, recompute):
+    """Under autograd (a penalty's backward), both attention paths (P kept, or recomputed in the backward) give 0 on
+    a query whose keys are all masked, and the gradient of ||J u||^2 equals torch's double-backward reference."""
+    from jvpreg.clone import kernels
+
+    monkeypatch.setattr(kernels, "ATTENTION_RECOMPUTE_NUMEL", 1 if recompute else 1 << 60)
+    mask = ~causal(5) & (torch.arange(5) > 0)[:, None]
+    torch.manual_seed(0)
+    w = torch.randn(5, 5, dtype=D, requires_grad=True)
+
+    def f(x):
+        return F.scaled_dot_product_attention(x @ w, x, x.tanh(), attn_mask=mask)
+
+    x, u = torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D)
+    y, t = jvpreg.jvp(f, (x,), (u,), engine="eager")
+    (g,) = torch.autograd.grad(t.pow(2).sum(), w)
+    with sdpa_kernel(SDPBackend.MATH):
+        ry, rt = torch.autograd.functional.jvp(f, x, u, create_graph=True)
+        (rg,) = torch.autograd.grad(rt.pow(2).sum(), w)
+    assert torch.equal(y[:, 0], torch.zeros_like(y[:, 0])) and torch.isfinite(t).all()
+    torch.testing.assert_close(t, rt.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g, rg, rtol=1e-10, atol=1e-12)
