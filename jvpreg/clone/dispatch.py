@@ -266,9 +266,17 @@ def state_eval(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def per_block(func: Callable, args: tuple, kwargs: dict) -> Any:
-    """Apply an op that is affine in its clone arguments to every block (``torch.vmap``)."""
+    """Apply an op that is affine in its clone arguments to every block (``torch.vmap``). A mask or index that is a
+    clone (state: the same in every block) enters as its primal block, unbatched: ops whose output shape depends
+    on a mask's values (``masked_select``) cannot be vmapped over it, and need not be."""
     flat, spec, idx = _flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
+    fixed = [i for i in idx if flat[i]._jvp_state and not _is_float(flat[i])]
+    if fixed and len(fixed) < len(idx):
+        flat = list(flat)
+        for i in fixed:
+            flat[i] = flat[i].as_subclass(torch.Tensor)[0]
+        idx = [i for i in idx if i not in fixed]
 
     def g(*cs):
         f2 = list(flat)

@@ -694,3 +694,30 @@ def test_fallback_runs_under_warnings_as_errors() -> None:
             "ref = x ** x * (x.log() + 1) * u\n"
             "assert torch.allclose(t, ref), (t, ref)\n")
     subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_mask_from_the_batch_in_a_data_dependent_shape_op(engine: str) -> None:
+    """``x.masked_select(x > 0)``: the mask is the same in every block (a state clone), so it enters the per-block
+    op unbatched; vmapping over it raised torch's 'differently shaped tensor' error."""
+    torch.manual_seed(0)
+    x, u = torch.randn(4, 6, dtype=D), torch.randn(4, 6, dtype=D)
+
+    def f(x):
+        return x.masked_select(x > 0).exp() + torch.masked_select(x.sin(), (x > 0.5) | (x < -1.0)).sum()
+
+    ref = torch.func.jvp(f, (x,), (u,))
+    for _ in range(2):
+        got = jvpreg.jvp(f, (x,), (u,), engine=engine)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_abs_of_a_complex_intermediate_is_exact_also_at_zero() -> None:
+    torch.manual_seed(0)
+    x, u = torch.randn(4, 6, dtype=D), torch.randn(4, 6, dtype=D)
+    x[0, :2] = 0.0  # a complex zero: torch's derivative there is 0 (sgn(0) = 0)
+
+    def f(x):
+        return torch.view_as_complex(x.view(4, 3, 2)).abs() + torch.fft.rfft(x, dim=1).abs().sum(1, keepdim=True)
+
+    torch.testing.assert_close(jvpreg.jvp(f, (x,), (u,)), torch.func.jvp(f, (x,), (u,)), rtol=1e-12, atol=1e-12)

@@ -123,7 +123,12 @@ def prelu(input, weight):
 @register_rule(torch.abs, T.abs, T.__abs__, maybe(torch, "absolute"), maybe(T, "absolute"),
                inplace=(torch.abs_, T.abs_, maybe(T, "absolute_")), inplace_safe=True)
 def abs(input):
-    """abs(z) = sign(a) * z (slope 0 at a = 0)."""
+    """abs(z) = sign(a) * z (slope 0 at a = 0); complex ``z``: ``|a| + Re(conj(sgn(a)) (z - a))`` (smooth but at 0,
+    where torch's derivative is 0: sgn(0) = 0)."""
+    if input.is_complex():
+        a = input[0]
+        out0 = a.abs()
+        return stack_blocks(out0, out0 + (torch.sgn(a).conj() * block_delta(input[1:], a)).real)
     return _with_slope(input, torch.sign(input[0].detach()))  # a constant slope (sign' = 0): the product saves
     # no view of the input, which an in-place abs_ overwrites
 
