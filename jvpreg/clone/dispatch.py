@@ -27,7 +27,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.autograd.function import BackwardCFunction
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .registry import HANDLERS, REENTRANT, op_name, tensor_args_first
+from .registry import COMPLEX_AFFINE, COMPLEX_AFFINE_MODULES, COMPLEX_EXACT, HANDLERS, REENTRANT, op_name, tensor_args_first
 from . import tensor as tensor_module
 from .tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap, wrap_tree
 
@@ -142,10 +142,17 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
                 return _empty_input(func, args, kwargs)
     handler = HANDLERS.get(func)
     if handler is not None:
-        if func in REENTRANT:
+        if func in REENTRANT:  # a decomposition: its ops come back here one by one
             return handler(func, args, kwargs)
         with DisableTorchFunctionSubclass():
-            return handler(func, args, kwargs)
+            if _complex_clone_in(args, kwargs) and not complex_exact(func, handler, args, kwargs):
+                # a rule written for real tensors: the exact fallback (torch.func.jvp, holomorphic where the op is)
+                if _inplace_name(func) is None:
+                    return fallback(func, args, kwargs)
+                handler = None
+            else:
+                return handler(func, args, kwargs)
+        return generic_inplace(func, args, kwargs)
     body = decomposition(func)
     if body is not None:  # a Python-level torch op: run its body op by op on the clone batch
         return body(*args, **kwargs)
@@ -162,6 +169,47 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
                     "(`.real`, `.H`) for examples.")
             return out
         return generic(func, args, kwargs)
+
+
+def _complex_clone_in(args: tuple, kwargs: dict) -> bool:
+    """Whether a clone argument (or a member of a list argument: ``torch.cat``) is complex; torch-function off."""
+    for a in args:
+        if type(a) is CloneTensor:
+            if a.is_complex():
+                return True
+        elif type(a) in (list, tuple):
+            for t in a:
+                if type(t) is CloneTensor and t.is_complex():
+                    return True
+    return any(type(v) is CloneTensor and v.is_complex() for v in kwargs.values()) if kwargs else False
+
+
+def _varying_complex(args: tuple, kwargs: dict) -> tuple:
+    """``(number of clone arguments with tangents, whether one of them is complex)``, over the arguments and the
+    members of list arguments; torch-function off."""
+    n, cplx = 0, False
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if type(t) is CloneTensor and not t._jvp_state:
+                if t.is_complex():
+                    n, cplx = n + 1, True
+                elif t.is_floating_point():
+                    n += 1
+    return n, cplx
+
+
+def complex_exact(func: Callable, handler: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether ``handler`` is exact on these arguments. Rules linearise real functions (tanh through its backward
+    kernel, products of "floating" operands): on a complex intermediate (an FFT, ``view_as_complex``) they would
+    give wrong tangents, so a complex clone with tangents takes the exact fallback unless the op is linear in every
+    argument or written for complex (:data:`registry.COMPLEX_EXACT`), or its handler is affine in its one varying
+    argument (:data:`registry.COMPLEX_AFFINE`, :data:`registry.COMPLEX_AFFINE_MODULES`)."""
+    if func in COMPLEX_EXACT or handler is state_eval:  # state ops: piecewise constant, evaluated on the primal
+        return True
+    n, cplx = _varying_complex(args, kwargs)
+    if not cplx:
+        return True
+    return n == 1 and (func in COMPLEX_AFFINE or getattr(handler, "__module__", None) in COMPLEX_AFFINE_MODULES)
 
 
 def _empty_input(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -343,7 +391,8 @@ def _unit_scale(primals: tuple, tangents: tuple) -> torch.Tensor:
     scaling-and-squaring follows ``||D||``) was 23% off in float32 along ``s u``."""
     with torch.no_grad():
         def norm(ts):
-            sq = [torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2 for t in ts if t.numel()]
+            sq = [torch.linalg.vector_norm(t.detach().abs() if t.is_complex() else t.detach(), dtype=torch.float64)
+                  ** 2 for t in ts if t.numel()]
             return torch.stack(sq).sum().sqrt() if sq else torch.ones((), dtype=torch.float64)
 
         r = norm(primals) / norm(tangents)

@@ -38,6 +38,14 @@ Handler = Callable[[Callable, tuple, dict], Any]
 
 HANDLERS: Dict[Any, Handler] = {}
 REENTRANT: set = set()  # handlers that run with torch-function enabled (decompositions)
+#: ops whose handler is exact on complex clones whatever their number (linear in every argument: add, cat...) or
+#: written for them (abs); other handlers see complex tangents only where :func:`dispatch.complex_exact` allows
+COMPLEX_EXACT: set = set()
+#: ops whose handler is affine in a single varying argument, complex or real (``mul``: ``c * z``)
+COMPLEX_AFFINE: set = set()
+#: modules whose handlers are affine in a single varying argument (shape ops, indexing, sums, per-block ops), or
+#: evaluate piecewise-constant ops on the primal: exact on one complex clone argument
+COMPLEX_AFFINE_MODULES = frozenset({"jvpreg.clone.structural", "jvpreg.clone.dispatch"})
 
 
 def op_name(func: Any) -> str:

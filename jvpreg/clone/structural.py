@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_unflatten
 
 from . import tensor as tensor_module
 from .dispatch import BatchWriteError, UnsupportedOpError, _flat_clones, per_block, state_eval, fallback
-from .registry import maybe, op_name, register_handler, register_op, register_state
+from .registry import COMPLEX_EXACT, maybe, op_name, register_handler, register_op, register_state
 from .tensor import CloneTensor, any_clone, is_clone, phys_dim, tile, varies, wrap, wrap_tree
 
 T = torch.Tensor
@@ -225,6 +225,12 @@ register_handler(
     maybe(T, "negative"), maybe(torch, "positive"), maybe(T, "positive"), maybe(T, "__pos__"),
     torch.where, T.where,
 )(elementwise)
+
+
+COMPLEX_EXACT.update(f for f in (torch.add, T.add, T.__add__, T.__radd__, torch.sub, T.sub, T.__sub__, T.__rsub__,
+                                 torch.rsub, maybe(torch, "subtract"), maybe(T, "subtract"), torch.where, T.where,
+                                 torch.cat, maybe(torch, "concat"), maybe(torch, "concatenate"), torch.stack)
+                     if f is not None)  # linear in every argument
 
 
 @register_op(torch.masked_fill, T.masked_fill)
@@ -657,6 +663,12 @@ _PER_BLOCK = [
 def _per_block(func, args, kwargs):
     """Affine in the batch tensor for fixed indices/masks: every block through the op (``torch.vmap``)."""
     return per_block(func, args, kwargs)
+
+
+# The discrete Fourier transforms: linear (over the reals, for complex and real inputs alike)
+_FFT = ["fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2", "rfftn", "irfftn",
+        "hfft", "ihfft", "hfft2", "ihfft2", "hfftn", "ihfftn", "fftshift", "ifftshift"]
+register_handler(*[maybe(torch.fft, n) for n in _FFT])(_per_block)
 
 
 @register_handler(T.__getitem__)

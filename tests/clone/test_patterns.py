@@ -1,4 +1,5 @@
-"""Patterns from real code that used to crash, refuse or be silently wrong (issue 11), against torch.func.
+"""Patterns from real code that used to crash, refuse or be silently wrong (issue 11), against torch.func; and
+user code op by op (keywords, masks, data-dependent shapes, values read in Python, losses) on both engines.
 
 Keyword calls (handlers bind by signature), in-place view ops, clones used only for their shape or dtype,
 empty tensors, p = 1 dropout, rounding division, tensor attributes with tangents, 0-dim primals and the
@@ -93,3 +94,124 @@ def test_inplace_resize_is_a_clear_error():
     with pytest.raises(jvpreg.clone.UnsupportedOpError, match=r"addbmm_ would resize its target from \(1,\)"):
         jvpreg.jvp(lambda z: z.clone().addbmm_(torch.ones(2, 3, 4, dtype=D), torch.ones(2, 4, 5, dtype=D)),
                    (torch.ones(1, dtype=D),), (torch.ones(1, dtype=D),))
+
+
+# ----------------------------------------------------------------------------- user code, op by op (both engines)
+
+W6 = torch.randn(6, 6, dtype=D, generator=torch.Generator().manual_seed(5))
+EMB = torch.randn(10, 6, dtype=D, generator=torch.Generator().manual_seed(6))
+
+#: Keyword-heavy functional calls, masks and data-dependent shapes, values read in Python, losses, pooling and
+#: attention variants, on a (4, 6) input: each the way user code writes it.
+USER_CODE = {
+    "softmax dtype": lambda x: F.softmax(x, dim=-1, dtype=torch.float64),
+    "sum dtype kw": lambda x: x.sum(dim=1, keepdim=True, dtype=torch.float64),
+    "to f32 back": lambda x: x.to(torch.float32).to(D) * 1.0,
+    "einsum ellipsis": lambda x: torch.einsum("...i,ij->...j", x, W6).tanh(),
+    "interp": lambda x: F.interpolate(x.view(1, 4, 6), scale_factor=2.0, mode="linear", align_corners=True),
+    "pad reflect": lambda x: F.pad(x.view(1, 4, 6), (2, 2), mode="reflect"),
+    "normalize": lambda x: F.normalize(x, dim=1, p=3.0),
+    "layer_norm nw": lambda x: F.layer_norm(x, (6,)),
+    "var corr0": lambda x: x.var(dim=1, correction=0),
+    "std unbiased kw": lambda x: x.std(1, unbiased=False),
+    "linalg norm ord": lambda x: torch.linalg.norm(x, ord=3, dim=1),
+    "matrix norm nuc": lambda x: torch.linalg.matrix_norm(x, ord="nuc"),
+    "masked_select": lambda x: x.masked_select(x > 0).exp(),
+    "nonzero index": lambda x: x[torch.nonzero(x[:, 0] > 0).squeeze(1)] ** 2,
+    "argmax gather": lambda x: x.gather(1, x.argmax(1, keepdim=True)),
+    "repeat_interleave t": lambda x: x.repeat_interleave(torch.tensor([1, 2, 0, 3]), dim=0),
+    "roll": lambda x: torch.roll(x, shifts=(1, -2), dims=(0, 1)) * x,
+    "rot90": lambda x: torch.rot90(x.view(2, 2, 6), 1, (0, 1)),
+    "embedding pad": lambda x: F.embedding(torch.tensor([1, 0, 3]), EMB * x[0, 0], padding_idx=0),
+    "rfft abs": lambda x: torch.fft.rfft(x, dim=1).abs(),
+    "view_as_complex": lambda x: torch.view_as_real(torch.view_as_complex(x.view(4, 3, 2)) ** 2),
+    "detach": lambda x: x * x.detach(),
+    "data": lambda x: x * x.data,
+    "item scale": lambda x: x / x.abs().max().item(),
+    "value branch": lambda x: x.sin() if x.sum() > 0 else x.cos(),
+    "tolist": lambda x: x * sum(x[0].tolist()),
+    "clamp tensor": lambda x: torch.clamp(x, min=torch.zeros(6, dtype=D), max=x[0]),
+    "cummin": lambda x: torch.cummin(x, dim=1).values,
+    "logcumsumexp": lambda x: torch.logcumsumexp(x, dim=1),
+    "kthvalue": lambda x: torch.kthvalue(x, 2, dim=1).values,
+    "median dim": lambda x: x.median(dim=1).values,
+    "nanmean": lambda x: torch.where(x > 1, float("nan"), x).nanmean(1),
+    "amax multi": lambda x: x.amax(dim=(0, 1)),
+    "unique consec": lambda x: x * torch.unique(torch.tensor([1., 1., 2.], dtype=D)).sum(),
+    "bmm baddbmm": lambda x: torch.baddbmm(x.view(2, 2, 6), x.view(2, 2, 6), W6.expand(2, 6, 6), beta=0.5, alpha=2.0),
+    "lerp tensor w": lambda x: torch.lerp(x, x.exp(), x.sigmoid()),
+    "polar": lambda x: torch.view_as_real(torch.polar(x.abs() + 1, x)),
+    "cross": lambda x: torch.linalg.cross(x[:, :3], x[:, 3:]),
+    "trace diag": lambda x: torch.trace(x[:, :4] @ x[:, :4].T) * torch.diag(x[:, :4]),
+    "tril_ triu": lambda x: (x @ x.T).tril(-1) + (x @ x.T).triu(1).t(),
+    "det inv": lambda x: torch.linalg.inv(x[:, :4] + 4 * torch.eye(4, dtype=D))
+    * torch.det(x[:, :4] + 4 * torch.eye(4, dtype=D)),
+    "solve": lambda x: torch.linalg.solve(x[:, :4] @ x[:, :4].T + torch.eye(4, dtype=D), x),
+    "sigmoid_ view": lambda x: (lambda y: (y[:, ::2].sigmoid_(), y)[1])(x.clone()),
+    "flatten unflatten": lambda x: x.flatten().unflatten(0, (2, 12)).softmax(-1),
+    "index_add": lambda x: torch.zeros(2, 6, dtype=D).index_add(0, torch.tensor([0, 1, 0, 1]), x, alpha=2.0),
+    "index_copy": lambda x: x.index_copy(0, torch.tensor([2, 0]), x[:2].exp()),
+    "index_fill": lambda x: x.index_fill(1, torch.tensor([1, 3]), -1.0) * x,
+    "take_along": lambda x: torch.take_along_dim(x, x.argsort(1), dim=1),
+    "where scalar other": lambda x: torch.where(x > 0, 2.0, x ** 2),
+    "F.gelu tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "F.elu alpha": lambda x: F.elu(x, alpha=0.3),
+    "F.leaky slope kw": lambda x: F.leaky_relu(x, negative_slope=0.2),
+    "F.softplus beta": lambda x: F.softplus(x, beta=2.0, threshold=1.0),
+    "F.hardtanh kw": lambda x: F.hardtanh(x, min_val=-0.3, max_val=0.4),
+    "F.threshold": lambda x: F.threshold(x, 0.1, -2.0),
+    "F.rrelu eval": lambda x: F.rrelu(x, training=False),
+    "F.glu": lambda x: F.glu(x, dim=1),
+    "F.logsigmoid": lambda x: F.logsigmoid(x),
+    "F.celu": lambda x: F.celu(x, alpha=0.5),
+    "F.prelu": lambda x: F.prelu(x, torch.tensor([0.1], dtype=D)),
+    "F.mish": lambda x: F.mish(x),
+    "F.silu": lambda x: F.silu(x),
+    "F.softmin": lambda x: F.softmin(x, dim=0),
+    "F.cosine_sim": lambda x: F.cosine_similarity(x, x.flip(0), dim=1),
+    "F.pairwise": lambda x: F.pairwise_distance(x, x.flip(0), p=1.5),
+    "F.mse none": lambda x: F.mse_loss(x, x.flip(0) ** 2, reduction="none"),
+    "F.huber": lambda x: F.huber_loss(x, torch.zeros_like(x), delta=0.5),
+    "F.kl": lambda x: F.kl_div(F.log_softmax(x, 1), F.softmax(x.flip(0), 1), reduction="batchmean"),
+    "F.ce label smooth": lambda x: F.cross_entropy(x, torch.tensor([0, 1, 2, 3]), label_smoothing=0.1),
+    "F.ce probs": lambda x: F.cross_entropy(x, F.softmax(x.flip(0), 1)),
+    "F.nll ignore": lambda x: F.nll_loss(F.log_softmax(x, 1), torch.tensor([0, -100, 2, 3])),
+    "F.bce": lambda x: F.binary_cross_entropy(torch.sigmoid(x), torch.sigmoid(x.flip(0))),
+    "F.unfold": lambda x: F.unfold(x.view(1, 1, 4, 6), kernel_size=2, stride=1),
+    "F.fold": lambda x: F.fold(x.view(1, 4, 6), output_size=(3, 4), kernel_size=2),
+    "F.pixel_shuffle": lambda x: F.pixel_shuffle(x.view(1, 4, 2, 3), 2),
+    "F.avgpool ceil": lambda x: F.avg_pool1d(x.view(1, 4, 6), 4, stride=3, ceil_mode=True, count_include_pad=False),
+    "F.maxpool idx": lambda x: F.max_pool1d(x.view(1, 4, 6), 2, return_indices=True)[0],
+    "F.lppool": lambda x: F.lp_pool1d(x.view(1, 4, 6).abs() + 0.1, 2.0, 2),
+    "F.adaptive max": lambda x: F.adaptive_max_pool1d(x.view(1, 4, 6), 4),
+    "F.local_response": lambda x: F.local_response_norm(x.view(1, 4, 6), 3),
+    "F.group_norm": lambda x: F.group_norm(x.view(2, 4, 3), 2),
+    "F.instance_norm": lambda x: F.instance_norm(x.view(2, 2, 6)),
+    "F.rms_norm": lambda x: F.rms_norm(x, (6,)),
+    "F.sdpa causal": lambda x: F.scaled_dot_product_attention(*[x.view(1, 4, 6)] * 3, is_causal=True),
+    "F.sdpa mask": lambda x: F.scaled_dot_product_attention(
+        *[x.view(1, 4, 6)] * 3, attn_mask=torch.tensor([[True, False, True, True]] * 4)),
+    "F.sdpa scale": lambda x: F.scaled_dot_product_attention(*[x.view(1, 4, 6)] * 3, scale=0.3),
+    "F.sdpa all-masked row": lambda x: F.scaled_dot_product_attention(
+        *[x.view(1, 4, 6)] * 3, attn_mask=torch.tensor([[False] * 4] + [[True] * 4] * 3)),
+    "F.one_hot mul": lambda x: x * F.one_hot(torch.tensor([0, 5, 2, 1]), 6).to(D),
+    "addmm-beta-alpha": lambda x: torch.addmm(x[:4, :4], x[:4], W6[:, :4], beta=0.3, alpha=1.7),
+}
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("name", list(USER_CODE))
+def test_user_code_matches_the_reference(name, engine):
+    from conftest import reference_jvp
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    f = USER_CODE[name]
+    x = torch.randn(4, 6, dtype=D, generator=torch.Generator().manual_seed(0))
+    u = torch.randn(4, 6, dtype=D, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):  # captured: the capture, then the replay
+            y, t = jvpreg.jvp(f, (x.clone(),), (u,), engine=engine)
+        with sdpa_kernel(SDPBackend.MATH):  # the fused CPU attention has no forward AD
+            ry, rt = reference_jvp(f, x.clone(), u)
+    assert not (bad := mismatch(y, ry, ry, "primal") or mismatch(t, rt, ry, "tangent")), bad

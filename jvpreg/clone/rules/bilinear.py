@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import _flat_clones, fallback, per_block, state_eval
-from ..registry import detached_target, maybe, register_handler, register_op, write_back
+from ..registry import COMPLEX_AFFINE, detached_target, maybe, register_handler, register_op, write_back
 from ..structural import align, elementwise, elementwise_inplace
 from ..tensor import block_delta, is_clone, wrap, stack_blocks
 
@@ -37,6 +37,10 @@ def mul(func, args, kwargs):
     x, y = _aligned_pair(args[0], args[1])
     a1, a2 = x[0], y[0]
     return wrap(stack_blocks(a1 * a2, a1 * y[1:] + block_delta(x[1:], a1) * a2))
+
+
+COMPLEX_AFFINE.update(f for f in (torch.mul, T.mul, T.__mul__, T.__rmul__, maybe(torch, "multiply"),
+                                  maybe(T, "multiply"), T.mul_, T.__imul__, maybe(T, "multiply_")) if f is not None)
 
 
 @register_handler(T.mul_, T.__imul__, maybe(T, "multiply_"))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..dispatch import fallback
 from .. import kernels
 from ..kernels import relu_blocks
-from ..registry import maybe, register_rule
+from ..registry import COMPLEX_EXACT, maybe, register_rule
 from ..structural import align
 from ..tensor import block_delta, compiling, each_block, is_clone, kept_primal, raw, stack_blocks, tile
 
@@ -131,6 +131,9 @@ def abs(input):
         return stack_blocks(out0, out0 + (torch.sgn(a).conj() * block_delta(input[1:], a)).real)
     return _with_slope(input, torch.sign(input[0].detach()))  # a constant slope (sign' = 0): the product saves
     # no view of the input, which an in-place abs_ overwrites
+
+
+COMPLEX_EXACT.update(abs.__jvpreg_funcs__)
 
 
 @register_rule(F.hardtanh, torch._C._nn.hardtanh, inplace=(F.hardtanh_, torch._C._nn.hardtanh_))
