@@ -469,14 +469,14 @@ _FORWARD_AD_LOADED = [False]
 
 def _load_forward_ad() -> None:
     """Load torch's forward-AD decompositions once, with the ``torch.jit.script`` deprecation warning that torch
-    raises while loading them silenced: under ``-W error`` (pytest's ``filterwarnings = error``) that warning of
+    raises while loading them (a DeprecationWarning on torch 2.11, a FutureWarning on 2.15) silenced: under ``-W error`` (pytest's ``filterwarnings = error``) that warning of
     torch's own would fail every fallback."""
     if _FORWARD_AD_LOADED[0]:
         return
     from torch.autograd import forward_ad as fwAD
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*")  # Future- or DeprecationWarning
         with fwAD.dual_level():
             fwAD.make_dual(torch.zeros(1), torch.zeros(1))
     _FORWARD_AD_LOADED[0] = True
