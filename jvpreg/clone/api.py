@@ -63,15 +63,17 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, s
     ref = pairs[0][0]
     if ref.is_cpu:  # rms(x) / rms(u_j) = ||x|| / ||u_j|| of the finite entries; scalars in Python, no kernel per step
         ratio = _ratio(ref.dtype, "cpu") if ratio is None else ratio
-        x2, u2, finite = 0.0, [0.0] * k, True
+        xs, us, finite = [], [[] for _ in range(k)], True
         for x, u in pairs:
             nx, fx = _finite_norms(x, 1)
             nu, fu = _finite_norms(u, k)
-            x2 += nx[0] ** 2
-            u2 = [a + b ** 2 for a, b in zip(u2, nu)]
+            xs.append(nx[0])
+            for acc, n in zip(us, nu):
+                acc.append(n)
             finite = finite and fx and fu
-        nx = math.sqrt(x2) or 1.0
-        s = tuple(_power_of_two(ratio * nx / math.sqrt(n)) if n > 0 else 1.0 for n in u2)
+        nx = (xs[0] if len(xs) == 1 else math.hypot(*xs)) or 1.0  # hypot: no square to underflow or overflow
+        top = _max_exponent(ref.dtype)
+        s = tuple(_power_of_two(ratio, nx, n[0] if len(n) == 1 else math.hypot(*n), top) for n in us)
         if not shared:
             return torch.tensor(s, dtype=torch.float64), finite
         t = _SHARED_SCALES.get(s)
@@ -80,23 +82,61 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, s
                 _SHARED_SCALES.clear()
             t = _SHARED_SCALES[s] = torch.tensor(s, dtype=torch.float64)
         return t, finite
-    with torch.no_grad():  # the same formula in kernels, no host synchronisation
-        ratio = _ratio(ref.dtype, ref.device.type) if ratio is None else ratio
-        x2, u2 = 0.0, 0.0
+    ratio = _ratio(ref.dtype, ref.device.type) if ratio is None else ratio
+    return device_scales(pairs, k, ratio), None
+
+
+def device_scales(pairs: Sequence[tuple], k: int, ratio: float) -> torch.Tensor:
+    """:func:`choose_scales` in kernels, with no host synchronisation (tensors on an accelerator)."""
+    ref = pairs[0][0]
+    with torch.no_grad():
+        xs, us = [], []
         for x, u in pairs:
-            xf = torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0)
-            uf = torch.nan_to_num(u.detach(), nan=0.0, posinf=0.0, neginf=0.0).reshape(k, -1)
-            x2 = x2 + torch.linalg.vector_norm(xf, dtype=torch.float64).square()
-            u2 = u2 + torch.linalg.vector_norm(uf, dim=1, dtype=torch.float64).square()
-        nx, nu = torch.as_tensor(x2, dtype=torch.float64, device=ref.device).sqrt(), u2.sqrt()
+            xs.append(_device_norms(torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0).reshape(1, -1)))
+            us.append(_device_norms(torch.nan_to_num(u.detach(), nan=0.0, posinf=0.0, neginf=0.0).reshape(k, -1)))
+        nx = _scaled_norms(torch.stack(xs, 1))[0] if len(xs) > 1 else xs[0][0]
+        nu = _scaled_norms(torch.stack(us, 1)) if len(us) > 1 else us[0]
         nx = torch.where(nx > 0, nx, 1.0)
-        s = torch.exp2(torch.round(torch.log2(ratio * nx / torch.where(nu > 0, nu, 1.0))))
-        return torch.where(nu > 0, s, 1.0), None
+        top = _max_exponent(ref.dtype)  # log2 of each factor: no quotient to overflow
+        e = torch.round(math.log2(ratio) + torch.log2(nx) - torch.log2(torch.where(nu > 0, nu, 1.0)))
+        return torch.where((nu > 0) & torch.isfinite(nu), torch.exp2(e.clamp(-top, top)), 1.0)
 
 
-def _power_of_two(r: float) -> float:
-    """``2^round(log2(r))``; 1 where ``r`` overflowed (norms near the float64 range) or is 0."""
-    return 2.0 ** round(math.log2(r)) if 0 < r < math.inf else 1.0
+def _power_of_two(ratio: float, nx: float, nu: float, top: int) -> float:
+    """``2^round(log2(ratio nx / nu))``, in logs (a tangent 1e-30 times the primal's size would overflow the
+    quotient) and within ``2^±top`` (representable in the primal's dtype); 1 where ``nu`` is 0 or not finite."""
+    if not 0 < nu < math.inf:
+        return 1.0
+    e = round(math.log2(ratio) + math.log2(nx) - math.log2(nu))
+    return 2.0 ** max(-top, min(top, e))
+
+
+def _max_exponent(dtype: torch.dtype) -> int:
+    """The largest ``e`` with ``2^e`` and ``2^-e`` normal numbers of ``dtype``, less a margin for the products."""
+    info = torch.finfo(dtype if dtype.is_floating_point else torch.float32)
+    return int(math.log2(info.max)) - 4
+
+
+def _device_norms(rows: torch.Tensor) -> torch.Tensor:
+    """Float64 norms of the rows: directly for float32 and narrower entries (their squares stay within float64's
+    range), scaled first for float64 ones (:func:`_scaled_norms`)."""
+    if rows.dtype == torch.float64:
+        return _scaled_norms(rows)
+    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+
+
+def _scaled_norms(rows: torch.Tensor) -> torch.Tensor:
+    """Float64 norms of the rows of a 2-d tensor, each row divided by its largest magnitude first, so that no square
+    underflows (a float32 tangent of entries 1e-25) or overflows."""
+    rows = rows.to(torch.float64)
+    if rows.shape[1] == 0:  # empty rows: norm 0
+        return rows.new_zeros(rows.shape[0])
+    top = rows.abs().amax(dim=1, keepdim=True)
+    top = torch.where(top > 0, top, 1.0)
+    return top[:, 0] * torch.linalg.vector_norm(rows / top, dim=1)
+
+
+_UNDERFLOW = 2.0 ** -50  # a float32 norm below this may have lost squares to underflow (entries below ~1e-19)
 
 
 def _finite_norms(rows: torch.Tensor, k: int) -> tuple:
@@ -104,7 +144,8 @@ def _finite_norms(rows: torch.Tensor, k: int) -> tuple:
     whether every entry was finite.
 
     First in float32 (a third of float64's time): a finite norm means finite entries; an infinite one (an
-    infinity, or an overflow) is redone in float64 over the finite entries and says "not known finite"."""
+    infinity, or an overflow) is redone in float64 over the finite entries and says "not known finite", and a tiny
+    or zero one (squares of entries below ~1e-19 underflow float32) is redone with every row scaled first."""
     if rows.requires_grad:
         rows = rows.detach()
     low = rows.dtype if rows.dtype in (torch.float32, torch.float64) else torch.float32
@@ -112,10 +153,14 @@ def _finite_norms(rows: torch.Tensor, k: int) -> tuple:
         norms = [torch.linalg.vector_norm(rows, dtype=low).item()]
     else:
         norms = torch.linalg.vector_norm(rows.reshape(k, -1), dim=1, dtype=low).tolist()
-    if all(map(math.isfinite, norms)):
+    finite = all(map(math.isfinite, norms))
+    if finite and min(norms) > _UNDERFLOW:
         return norms, True
-    rows = torch.nan_to_num(rows.reshape(k, -1), nan=0.0, posinf=0.0, neginf=0.0)
-    return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64).tolist(), False
+    # an infinity or an overflow (then: "not known finite"), or a norm whose squares may have underflowed
+    rows = rows.reshape(k, -1)
+    if not finite:
+        rows = torch.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
+    return _scaled_norms(rows).tolist(), finite
 
 
 def scales(pairs: Sequence[tuple], k: int, scale: Any = "auto") -> torch.Tensor:

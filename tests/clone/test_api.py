@@ -169,13 +169,15 @@ def test_scale_auto_is_a_power_of_two_per_tangent():
 
 
 def _reference_scales(x, us, ratio):
-    """s_j = 2^round(log2(ratio ||x|| / ||u_j||)) over the finite entries, in float64 (1 for a zero tangent)."""
+    """s_j = 2^round(log2(ratio ||x|| / ||u_j||)) over the finite entries, in float64 (1 for a zero tangent), within
+    2^±(log2(max of x's dtype) - 4): representable where the blocks are formed."""
     def norm(t):
         t = t.double()
         return float(torch.where(torch.isfinite(t), t, 0).norm())
 
     nx = norm(x) or 1.0
-    return [2.0 ** round(math.log2(ratio * nx / norm(u))) if norm(u) > 0 else 1.0 for u in us]
+    top = int(math.log2(torch.finfo(x.dtype).max)) - 4
+    return [2.0 ** max(-top, min(top, round(math.log2(ratio * nx / norm(u))))) if norm(u) > 0 else 1.0 for u in us]
 
 
 @pytest.mark.parametrize("case", ["plain", "huge_float32", "nonfinite", "one_tangent", "requires_grad"])
@@ -184,8 +186,8 @@ def test_cpu_scale_choice_matches_the_formula_and_says_whether_inputs_are_finite
 
     torch.manual_seed(0)
     x, us = torch.randn(3, 5), torch.randn(2, 3, 5)
-    if case == "huge_float32":  # finite, but the float32 sum of squares overflows: redone in float64
-        x = x * 1e30
+    if case == "huge_float32":  # finite, but the float32 sum of squares overflows: redone in float64; the scale
+        x = x * 1e30  # 2^40 ||x|| / ||u|| would overflow float32: the largest one float32 holds (with a margin)
     if case == "nonfinite":
         x[0, 0], us[1, 2, 3] = float("inf"), float("nan")
     if case == "one_tangent":
@@ -195,6 +197,37 @@ def test_cpu_scale_choice_matches_the_formula_and_says_whether_inputs_are_finite
     s, finite = _choose_scales([(x, us)], us.shape[0])
     assert s.dtype == torch.float64 and s.tolist() == _reference_scales(x.detach(), us, _R_DEFAULT)
     assert finite is (case in ("plain", "one_tangent", "requires_grad"))
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("dtype,size", [(torch.float32, 1e-30), (torch.float32, 1e30), (torch.float64, 1e-300),
+                                        (torch.float64, 1e300), (torch.float64, 1e-20)])
+def test_tangents_far_smaller_or_larger_than_the_primal_are_exact(dtype, size, engine):
+    """The scale is chosen in logs, from norms whose squares cannot underflow: a float32 tangent of entries 1e-25
+    had a float32 norm of 0, hence scale 1 and a zero JVP; 1e-300 in float64 overflowed the quotient the same way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+    x, u = torch.randn(4, 6, dtype=dtype), torch.randn(4, 6, dtype=torch.float64)
+    for _ in range(2):
+        _, t = jvpreg.jvp(model, (x,), ((u * size).to(dtype),), engine=engine)
+    _, ref = torch.func.jvp(model.double(), (x.double(),), (u,))  # J (u size) / size: the JVP is linear
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(t.double() / size, ref, rtol=tol, atol=tol)
+
+
+def test_device_scale_choice_equals_the_cpu_one():
+    """:func:`device_scales` (kernels, no host sync) on CPU tensors: the CPU choice, extreme tangents included."""
+    from jvpreg.clone.api import _R_DEFAULT, _choose_scales, device_scales
+
+    torch.manual_seed(0)
+    for dtype, sizes in ((torch.float32, (1.0, 1e-30, 1e30, 0.0)), (torch.float64, (1.0, 1e-300, 1e300, 0.0))):
+        x, w = torch.randn(3, 5, dtype=dtype), torch.randn(4, dtype=dtype)
+        us = torch.stack([torch.randn(3, 5, dtype=dtype) * c for c in sizes])
+        uw = torch.stack([torch.randn(4, dtype=dtype) * c for c in sizes])
+        for pairs in ([(x, us)], [(x, us), (w, uw)]):
+            cpu, _ = _choose_scales(pairs, len(sizes))
+            assert torch.equal(device_scales(pairs, len(sizes), _R_DEFAULT), cpu), (dtype, len(pairs))
+            assert cpu[-1] == 1.0 and torch.isfinite(cpu).all()
+
 
 def test_zero_tangent_gives_zero_jvp():
     x = randn(3, 4)
