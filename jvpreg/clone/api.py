@@ -99,22 +99,34 @@ def device_scales(pairs: Sequence[tuple], k: int, ratio: float) -> torch.Tensor:
         nx = torch.where(nx > 0, nx, 1.0)
         top = _max_exponent(ref.dtype)  # log2 of each factor: no quotient to overflow
         e = torch.round(math.log2(ratio) + torch.log2(nx) - torch.log2(torch.where(nu > 0, nu, 1.0)))
-        return torch.where((nu > 0) & torch.isfinite(nu), torch.exp2(e.clamp(-top, top)), 1.0)
+        return torch.where((nu > 0) & torch.isfinite(nu), torch.exp2(_clamp_exponent(e, top)), 1.0)
 
 
 def _power_of_two(ratio: float, nx: float, nu: float, top: int) -> float:
     """``2^round(log2(ratio nx / nu))``, in logs (a tangent 1e-30 times the primal's size would overflow the
-    quotient) and within ``2^±top`` (representable in the primal's dtype); 1 where ``nu`` is 0 or not finite."""
+    quotient), kept representable in the primal's dtype (:func:`_clamp_exponent`); 1 where ``nu`` is 0 or not
+    finite."""
     if not 0 < nu < math.inf:
         return 1.0
-    e = round(math.log2(ratio) + math.log2(nx) - math.log2(nu))
-    return 2.0 ** max(-top, min(top, e))
+    return 2.0 ** _clamp_exponent(round(math.log2(ratio) + math.log2(nx) - math.log2(nu)), top)
+
+
+def _clamp_exponent(e, top: int):
+    """``e`` where ``2^e`` is representable (``-top <= e <= top``); above, ``top - SCALE_MARGIN``: the blocks
+    ``x + s u`` then stay 2^SCALE_MARGIN below the dtype's largest number (a float32 primal of size 1e30, whose
+    2^40 |x| / |u| float32 cannot hold); below, ``-top``. Works on ints and on tensors."""
+    if isinstance(e, torch.Tensor):
+        return torch.where(e > top, top - SCALE_MARGIN, e).clamp(min=-top)
+    return top - SCALE_MARGIN if e > top else max(-top, e)
+
+
+SCALE_MARGIN = 4
 
 
 def _max_exponent(dtype: torch.dtype) -> int:
-    """The largest ``e`` with ``2^e`` and ``2^-e`` normal numbers of ``dtype``, less a margin for the products."""
+    """The largest ``e`` with ``2^e`` a finite number of ``dtype`` (15 for float16, 127 for float32)."""
     info = torch.finfo(dtype if dtype.is_floating_point else torch.float32)
-    return int(math.log2(info.max)) - 4
+    return int(math.log2(info.max))
 
 
 def _device_norms(rows: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.autograd.function import BackwardCFunction
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .registry import COMPLEX_AFFINE, COMPLEX_AFFINE_MODULES, COMPLEX_EXACT, HANDLERS, REENTRANT, op_name, tensor_args_first
+from .registry import (COMPLEX_AFFINE, COMPLEX_AFFINE_MODULES, COMPLEX_EXACT, HANDLERS, REENTRANT, op_name,
+                       tensor_args_first)
 from . import tensor as tensor_module
 from .tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap, wrap_tree
 
@@ -145,13 +146,12 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
         if func in REENTRANT:  # a decomposition: its ops come back here one by one
             return handler(func, args, kwargs)
         with DisableTorchFunctionSubclass():
-            if _complex_clone_in(args, kwargs) and not complex_exact(func, handler, args, kwargs):
-                # a rule written for real tensors: the exact fallback (torch.func.jvp, holomorphic where the op is)
-                if _inplace_name(func) is None:
-                    return fallback(func, args, kwargs)
-                handler = None
-            else:
+            if not _complex_clone_in(args, kwargs) or complex_exact(func, handler, args, kwargs):
                 return handler(func, args, kwargs)
+            # a rule written for real tensors on a complex clone: the exact fallback (torch.func.jvp, holomorphic
+            # where the op is); an in-place op through its out-of-place form
+            if _inplace_name(func) is None:
+                return fallback(func, args, kwargs)
         return generic_inplace(func, args, kwargs)
     body = decomposition(func)
     if body is not None:  # a Python-level torch op: run its body op by op on the clone batch
@@ -469,8 +469,8 @@ _FORWARD_AD_LOADED = [False]
 
 def _load_forward_ad() -> None:
     """Load torch's forward-AD decompositions once, with the ``torch.jit.script`` deprecation warning that torch
-    raises while loading them (a DeprecationWarning on torch 2.11, a FutureWarning on 2.15) silenced: under ``-W error`` (pytest's ``filterwarnings = error``) that warning of
-    torch's own would fail every fallback."""
+    raises while loading them silenced (a DeprecationWarning on torch 2.11, a FutureWarning on 2.15): under
+    ``-W error`` (pytest's ``filterwarnings = error``) that warning of torch's own would fail every fallback."""
     if _FORWARD_AD_LOADED[0]:
         return
     from torch.autograd import forward_ad as fwAD

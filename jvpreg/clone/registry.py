@@ -43,9 +43,9 @@ REENTRANT: set = set()  # handlers that run with torch-function enabled (decompo
 COMPLEX_EXACT: set = set()
 #: ops whose handler is affine in a single varying argument, complex or real (``mul``: ``c * z``)
 COMPLEX_AFFINE: set = set()
-#: modules whose handlers are affine in a single varying argument (shape ops, indexing, sums, per-block ops), or
-#: evaluate piecewise-constant ops on the primal: exact on one complex clone argument
-COMPLEX_AFFINE_MODULES = frozenset({"jvpreg.clone.structural", "jvpreg.clone.dispatch"})
+#: modules whose handlers are affine in a single varying argument (shape ops, indexing, sums, per-block ops, FFTs,
+#: convolutions): exact on one complex clone argument
+COMPLEX_AFFINE_MODULES = frozenset({"jvpreg.clone.structural"})
 
 
 def op_name(func: Any) -> str:

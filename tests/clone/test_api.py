@@ -169,15 +169,20 @@ def test_scale_auto_is_a_power_of_two_per_tangent():
 
 
 def _reference_scales(x, us, ratio):
-    """s_j = 2^round(log2(ratio ||x|| / ||u_j||)) over the finite entries, in float64 (1 for a zero tangent), within
-    2^±(log2(max of x's dtype) - 4): representable where the blocks are formed."""
+    """s_j = 2^round(log2(ratio ||x|| / ||u_j||)) over the finite entries, in float64 (1 for a zero tangent); an
+    exponent above log2(max of x's dtype) becomes that less 4 (representable where the blocks are formed)."""
     def norm(t):
         t = t.double()
         return float(torch.where(torch.isfinite(t), t, 0).norm())
 
     nx = norm(x) or 1.0
-    top = int(math.log2(torch.finfo(x.dtype).max)) - 4
-    return [2.0 ** max(-top, min(top, round(math.log2(ratio * nx / norm(u))))) if norm(u) > 0 else 1.0 for u in us]
+    top = int(math.log2(torch.finfo(x.dtype).max))
+
+    def exponent(u):
+        e = round(math.log2(ratio * nx / norm(u)))
+        return top - 4 if e > top else max(-top, e)
+
+    return [2.0 ** exponent(u) if norm(u) > 0 else 1.0 for u in us]
 
 
 @pytest.mark.parametrize("case", ["plain", "huge_float32", "nonfinite", "one_tangent", "requires_grad"])
@@ -212,6 +217,18 @@ def test_tangents_far_smaller_or_larger_than_the_primal_are_exact(dtype, size, e
     _, ref = torch.func.jvp(model.double(), (x.double(),), (u,))  # J (u size) / size: the JVP is linear
     tol = 1e-6 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(t.double() / size, ref, rtol=tol, atol=tol)
+
+
+def test_a_representable_scale_is_not_clamped():
+    """Only a scale its dtype cannot hold is clamped: a float16 tangent 1e-4 times the primal keeps
+    2^round(log2(4 ||x|| / ||u||)) = 2^15 (the largest power of two float16 holds)."""
+    from jvpreg.clone.api import _choose_scales, device_scales
+
+    torch.manual_seed(0)
+    x = torch.randn(64, dtype=torch.float16)
+    us = (x.float() * 1e-4).to(torch.float16)[None]
+    s, _ = _choose_scales([(x, us)], 1)
+    assert s.tolist() == [2.0 ** 15] and torch.equal(device_scales([(x, us)], 1, 4.0), s)
 
 
 def test_device_scale_choice_equals_the_cpu_one():
