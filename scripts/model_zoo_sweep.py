@@ -260,8 +260,43 @@ def check_one(source: str, name: str) -> dict:
                 row[f"error64_{engine}"] = _rel(jvpreg.jvp(f, (x,), (u,), engine=engine)[1], t64)
     row["fallback_ops"] = sorted(fallbacks)
     row["not_captured"] = capture_reason
+    row["host_reads"] = host_reads(model, call, x)
     row["verdict"] = "exact" if max(row["error64_eager"], row["error64_captured"]) <= EXACT else "MISMATCH"
     return row
+
+
+def host_reads(model, call, x) -> str:
+    """What reads a tensor's value on the host in a JVP of this model (on a GPU: a synchronisation), found on the
+    ``meta`` device, where every value read raises: ``"none"``; ``"the model's own forward"`` (a plain forward reads
+    one: the JVP was not tried); ``"jvpreg (engine): where: error"``; or why the model does not run on ``meta``."""
+    import traceback
+
+    import torch
+
+    import jvpreg
+
+    m = call(copy.deepcopy(model).float().to("meta"))
+    if getattr(m, "mask", None) is not None:  # _LastHidden's attention mask
+        m.mask = m.mask.to("meta")
+    xm = torch.zeros(x.shape, device="meta")
+
+    def read(err: Exception) -> bool:
+        return "meta tensors" in str(err)
+
+    try:
+        with torch.no_grad():
+            m(xm)
+    except Exception as err:  # noqa: BLE001  (recorded)
+        return "the model's own forward" if read(err) else f"does not run on meta: {type(err).__name__}"
+    for engine in ("eager", "captured"):
+        try:
+            for _ in range(2):  # the captured engine: the capture, then a replay
+                jvpreg.jvp(m, (xm,), (torch.zeros_like(xm),), engine=engine)
+        except Exception as err:  # noqa: BLE001  (recorded)
+            frames = [f for f in traceback.extract_tb(err.__traceback__) if "/jvpreg/" in f.filename]
+            where = f"{frames[-1].filename.split('/jvpreg/')[-1]}:{frames[-1].lineno}" if frames else "?"
+            return f"jvpreg ({engine}): {where}: {type(err).__name__}: {str(err).splitlines()[0][:100]}"
+    return "none"
 
 
 # --------------------------------------------------------------------------------------------- the sweep
@@ -303,23 +338,26 @@ def to_markdown(rows: list, command: str) -> str:
         "Relative error `||t - t_ref|| / ||t_ref||` of the JVP in float64, random weights, eval mode; how the "
         "input, the reference and the verdict are chosen: `scripts/model_zoo_sweep.py`. *as is*: the model as "
         "written; *float64 throughout*: its float32 casts turned into no-ops and the reference's hardsigmoid "
-        "exact (the verdict: exact within 1e-10). *first call*: seconds, eager vs captured (the capture included).",
+        "exact (the verdict: exact within 1e-10). *first call*: seconds, eager vs captured (the capture included). "
+        "*host reads*: what reads a tensor's value on the host during a JVP (on a GPU, a synchronisation), found "
+        "on the meta device, where every read raises; *the model's own forward* reads values in a plain forward "
+        "too (Hugging Face's attention-mask checks).",
         "", f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {platform.system()}, torch {torch.__version__}, CPU.  ",
         "Verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".", "",
         "| source | model | input | reference | eager (as is) | captured (as is) | eager (f64) | captured (f64) "
-        "| verdict | first call eager / captured (s) | ops on the fallback | not captured because |",
-        "|---|---|---|---|---:|---:|---:|---:|---|---:|---|---|",
+        "| verdict | first call eager / captured (s) | ops on the fallback | not captured because | host reads |",
+        "|---|---|---|---|---:|---:|---:|---:|---|---:|---|---|---|",
     ]
     for r in rows:
         if r["verdict"] == "error":
-            lines.append(f"| {r['source']} | `{r['model']}` | | | | | | | error | | | {r.get('error', '')} |")
+            lines.append(f"| {r['source']} | `{r['model']}` | | | | | | | error | | | {r.get('error', '')} | |")
             continue
         lines.append(
             f"| {r['source']} | `{r['model']}` | {r['input']} | {r['reference']} | {_e(r['error_eager'])} | "
             f"{_e(r['error_captured'])} | {_e(r['error64_eager'])} | {_e(r['error64_captured'])} | {r['verdict']} | "
             f"{r['first_call_s_eager']} / {r['first_call_s_captured']} | {', '.join(r['fallback_ops'])} | "
-            f"{r['not_captured']} |")
+            f"{r['not_captured']} | {r.get('host_reads', '')} |")
     return "\n".join(lines) + "\n"
 
 

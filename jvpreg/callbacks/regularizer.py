@@ -272,7 +272,7 @@ def _describe(value: Any) -> str:
     return type(value).__qualname__
 
 
-_NOT_FINGERPRINTED = ("penalty", "terms", "steps_applied", "last_value", "log_name")
+_NOT_FINGERPRINTED = ("penalty", "terms", "steps_applied", "log_name")
 
 
 def _fingerprint(cb: "JVPRegularizer") -> str:
@@ -407,9 +407,16 @@ class JVPRegularizer(Callback):
         self.log_name = self.name  # made distinct from other regularizers' at on_fit_start
         self.terms: List[Term] = [(p, w, min(f, self.batch_fraction)) for p, w, f in as_terms(self.penalty, where)]
         self.steps_applied = 0
-        self.last_value: Optional[float] = None
+        self._last_value: Optional[torch.Tensor] = None  # a device tensor: read only when asked for (a host sync)
         self._total_steps: Optional[int] = total_steps
         self._state_key = self._generate_state_key(name=self.name, config=_fingerprint(self))
+
+    @property
+    def last_value(self) -> Optional[float]:
+        """The penalty's value at the last step it ran (``None`` before the first), as a Python float. Kept as a
+        tensor until read, so that a training step on an accelerator never waits for it."""
+        v = self._last_value
+        return None if v is None else float(v)
 
     @property
     def state_key(self) -> str:
@@ -448,8 +455,7 @@ class JVPRegularizer(Callback):
 
     def _record(self, pl_module: LightningModule, value: torch.Tensor, weight: float, batch_size: Optional[int]):
         self.steps_applied += 1
-        v = value.detach()
-        self.last_value = float(v)
+        v = self._last_value = value.detach()
         pl_module.log(f"train/{self.log_name}", v.float(), on_step=True, on_epoch=False, prog_bar=self.prog_bar,
                       batch_size=batch_size)
         pl_module.log(f"train/{self.log_name}_weight", float(weight), on_step=True, on_epoch=False,
@@ -498,7 +504,8 @@ class JVPRegularizer(Callback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.penalty.load_state_dict(state_dict["penalty"])
         self.steps_applied = int(state_dict.get("steps_applied", 0))
-        self.last_value = state_dict.get("last_value")
+        last = state_dict.get("last_value")
+        self._last_value = None if last is None else torch.tensor(float(last), dtype=torch.float64)
         if self.total_steps is None:
             self._total_steps = state_dict.get("total_steps")
 

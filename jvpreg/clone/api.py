@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import capture, functions
 from .dispatch import check_not_custom_output
-from .tensor import _SWAPPED_CLONES, CloneTensor, block_delta, capturing, is_clone, wrap
+from .tensor import _SWAPPED_CLONES, CloneTensor, autocast_enabled, block_delta, capturing, is_clone, wrap
 
 _R_DEFAULT = 2.0 ** 40
 _R_HALF = 2.0 ** 2
@@ -38,14 +38,12 @@ _R_HALF = 2.0 ** 2
 def _ratio(dtype: torch.dtype, device_type: str) -> float:
     if dtype == torch.float16:
         return _R_HALF
-    if not capture._ANY_AUTOCAST():  # one call in the usual case
+    if not autocast_enabled(device_type):
         return _R_DEFAULT
     try:
-        if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16:
-            return _R_HALF
-    except (TypeError, RuntimeError, AttributeError):  # older torch signatures
-        pass
-    return _R_DEFAULT
+        return _R_HALF if torch.get_autocast_dtype(device_type) == torch.float16 else _R_DEFAULT
+    except (TypeError, RuntimeError, AttributeError):  # torch before 2.4
+        return _R_DEFAULT
 
 
 def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) -> torch.Tensor:

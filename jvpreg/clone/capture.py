@@ -89,7 +89,7 @@ from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
 from .replay import replay_function
 from .passes import largest_magnitude, optimize
-from .tensor import CloneTensor
+from .tensor import _ANY_AUTOCAST, CloneTensor
 
 __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGER_CALLS_BEFORE_CAPTURE", "call", "reset",
            "uncompiled", "resolve_engine", "programs", "inductor_options"]
@@ -373,9 +373,6 @@ def _leaf_sig(leaf: Any, finite: Optional[bool] = None) -> Any:
     except TypeError:
         return ("object", id(leaf))
     return ("const", t, leaf)
-
-
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def _autocast_state() -> Tuple[Any, ...]:

@@ -641,6 +641,8 @@ def largest_magnitude(t: torch.Tensor) -> float:
     """The largest finite magnitude among the entries of a floating tensor (0 for anything else)."""
     if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()):
         return 0.0
+    if t.is_meta:  # no values: any magnitude
+        return math.inf
     a = t.detach().abs()
     return float(torch.where(torch.isfinite(a), a, 0).max())
 
@@ -686,7 +688,7 @@ def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool],
             i += 1
         elif node.op == "get_attr":
             val = getattr(gm, node.target, None)
-            inf[node] = not (isinstance(val, torch.Tensor) and bool(torch.isfinite(val).all()))
+            inf[node] = not (isinstance(val, torch.Tensor) and not val.is_meta and bool(torch.isfinite(val).all()))
             big[node] = largest_magnitude(val)
         elif node.op == "call_function":
             if "val" in node.meta and not _floating(node.meta["val"]):

@@ -71,6 +71,19 @@ def compiling() -> bool:
     return _CAPTURING[0] is not None and _COMPILING[0]
 
 
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``; False for a device type autocast does not know (``meta``)."""
+    if not _ANY_AUTOCAST():  # one call in the usual case
+        return False
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except (TypeError, RuntimeError):  # a device type without autocast, or an older torch signature
+        return False
+
+
 def capturing() -> bool:
     """True while :mod:`jvpreg.clone.capture` records a clone forward (a value read by Python would raise)."""
     return _CAPTURING[0] is not None

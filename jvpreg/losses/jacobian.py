@@ -174,9 +174,7 @@ class JacobianSpectralNorm(JVPPenalty):
                 return
             flat = accum(new.detach()).flatten(1)
             norms = flat.norm(dim=1)
-            ok = torch.isfinite(norms) & (norms > self.eps)
-            if not bool(ok.any()):
-                return
+            ok = torch.isfinite(norms) & (norms > self.eps)  # rows not ok keep their vector (no host read)
             unit = (flat / norms.clamp_min(torch.finfo(flat.dtype).tiny)[:, None]).reshape(new.shape)
             rows = v[: new.shape[0]]
             rows.copy_(torch.where(ok.reshape(-1, *([1] * (new.dim() - 1))), unit.to(v.dtype), rows))

@@ -25,7 +25,7 @@ from ..dispatch import fallback
 from ..registry import register_rule
 from .. import kernels
 from ..kernels import batch_norm_tangent, group_norm_tangent
-from ..tensor import (block_delta, compiling, delta_blocks, each_block, is_clone, kept_primal, primal_block, raw,
+from ..tensor import (autocast_enabled, block_delta, compiling, delta_blocks, each_block, is_clone, kept_primal, primal_block, raw,
                       stack_blocks, tile, varies)
 
 
@@ -219,7 +219,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
     input = _batch_input(input, weight, bias)
     a = kept_primal(input)
     w0, b0 = _primal(weight), _primal(bias)
-    if torch.is_autocast_enabled(a.device.type):  # autocast's layer_norm (float32) for the primal, as a plain forward
+    if autocast_enabled(a.device.type):  # autocast's layer_norm (float32) for the primal, as a plain forward
         out_a = F.layer_norm(a, normalized_shape, w0, b0, eps)
         a = a.to(out_a.dtype)
         _, mean, rstd = torch.native_layer_norm(a, normalized_shape, None, None, eps)
@@ -261,7 +261,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     w0, b0 = _primal(weight), _primal(bias)
     n, c = a.shape[0], a.shape[1]
     hw = math.prod(a.shape[2:])
-    if torch.is_autocast_enabled(a.device.type):  # autocast's group_norm (float32) for the primal
+    if autocast_enabled(a.device.type):  # autocast's group_norm (float32) for the primal
         out_a = F.group_norm(a, num_groups, w0, b0, eps)
         a = a.to(out_a.dtype)
         _, mean, rstd = torch.native_group_norm(a, None, None, n, c, hw, num_groups, eps)
