@@ -2,12 +2,14 @@
 
 Layout: ``tensor`` (the K-block batch type), ``registry`` (the one rule registry), ``dispatch``
 (routing and the exact fallback), ``structural`` (affine/shape fast paths), ``rules/`` (one
-module per family of nonlinear ops), ``functions`` (custom autograd.Functions), ``api``
+module per family of nonlinear ops), ``functions`` (custom autograd.Functions), ``checkpointing``
+(``torch.utils.checkpoint`` regions recomputed in clone mode), ``api``
 (``jvp``, ``jvp_params``, ``pack``/``call``/``unpack``, and the pieces the losses share:
 ``scales``, ``clone_of``, ``swapped_tensors``), ``capture`` (the captured and compiled engines).
 """
 from . import structural  # noqa: F401  (registers the fast paths)
 from . import rules  # noqa: F401  (registers the rules)
+from . import checkpointing  # noqa: F401  (registers the reentrant checkpoint's rule)
 from .api import call, choose_scales, clone_of, jvp, jvp_params, pack, primal_of, scales, swapped_tensors, unpack
 from .capture import JVPCaptureWarning
 from .dispatch import JVPFallbackWarning, UnsupportedOpError, fallback_mode, set_fallback

@@ -405,17 +405,30 @@ def swap_in(module: nn.Module, replace: Mapping[torch.Tensor, torch.Tensor], *, 
             for attr, value in store.items():
                 if value is not None and id(value) in by_id:
                     slots.append((store, attr, value))
-    for store, attr, value in slots:
-        new = store[attr] = by_id[id(value)]
-        _SWAPPED_CLONES[0] += type(new) is CloneTensor
-    return slots
+    return put_in([(store, attr, by_id[id(value)]) for store, attr, value in slots])
+
+
+def put_in(slots: list) -> list:
+    """Put ``new`` into each ``(store, name, new)`` slot; returns the ``(store, name, original)`` slots for
+    :func:`restore`. Slots that now hold a clone are listed in ``_SWAPPED_CLONES`` until restored."""
+    saved = []
+    for store, attr, new in slots:
+        saved.append((store, attr, store[attr]))
+        store[attr] = new
+        if type(new) is CloneTensor:
+            _SWAPPED_CLONES.append((store, attr, new))
+    return saved
 
 
 def restore(slots: list) -> None:
-    """Undo :func:`swap_in` (last swapped first)."""
+    """Undo :func:`swap_in` or :func:`put_in` (last swapped first)."""
     while slots:
         store, attr, value = slots.pop()
-        _SWAPPED_CLONES[0] -= type(store.get(attr)) is CloneTensor
+        if type(store.get(attr)) is CloneTensor:
+            i = next((i for i in range(len(_SWAPPED_CLONES) - 1, -1, -1)
+                      if _SWAPPED_CLONES[i][0] is store and _SWAPPED_CLONES[i][1] == attr), None)
+            if i is not None:
+                del _SWAPPED_CLONES[i]
         store[attr] = value
 
 

@@ -464,7 +464,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
            slot_values: List[Any]) -> _Program:
     from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
-    if not _tensor._SWAPPED_CLONES[0] and CloneTensor in set(map(type, slot_values)):
+    if not _tensor._SWAPPED_CLONES and CloneTensor in set(map(type, slot_values)):
         raise CaptureError("a parameter or buffer slot holds a clone tensor that jvpreg.clone.swapped_tensors "
                            "did not put there (swap parameter directions in with it, or use jvpreg.jvp_params)")
     clone_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -639,7 +639,7 @@ def _pin_grad_modes(graph: torch.fx.Graph, initial: bool) -> None:
 def _clone_slots(slot_values: List[Any]) -> bool:
     """Some parameter or buffer slot holds a clone (parameter directions). Known without reading the slots'
     tensors while no clone is swapped in (:func:`jvpreg.clone.api.swap_in` counts them): the usual call."""
-    return bool(_tensor._SWAPPED_CLONES[0]) and CloneTensor in set(map(type, slot_values))
+    return bool(_tensor._SWAPPED_CLONES) and CloneTensor in set(map(type, slot_values))
 
 
 def _inputs(leaves: List[Any], slot_values: List[Any]) -> List[torch.Tensor]:

@@ -91,8 +91,14 @@ def _operator_autograd(cls: type) -> bool:
 
 
 def _install() -> None:
+    from . import checkpointing
+
     torch.autograd.Function.apply = classmethod(_apply)
+    checkpointing.install()
 
 
 def _uninstall() -> None:
+    from . import checkpointing
+
     torch.autograd.Function.apply = _ORIG_APPLY
+    checkpointing.uninstall()

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_unflatten
 from . import tensor as tensor_module
 from .dispatch import BatchWriteError, UnsupportedOpError, _flat_clones, per_block, state_eval, fallback
 from .registry import COMPLEX_EXACT, maybe, op_name, register_handler, register_op, register_state
-from .tensor import CloneTensor, any_clone, is_clone, phys_dim, tile, varies, wrap, wrap_tree
+from .tensor import _METADATA, CloneTensor, any_clone, is_clone, phys_dim, tile, varies, wrap, wrap_tree
 
 T = torch.Tensor
 
@@ -61,6 +61,7 @@ _QUERY_GETTERS = ["shape", "ndim", "dtype", "device", "is_cuda", "layout", "is_s
 register_handler(*[maybe(T, n) for n in _QUERY_ATTRS], torch.numel, maybe(torch, "is_floating_point"),
                  maybe(torch, "is_complex"), maybe(torch, "is_nonzero"))(_query)
 register_handler(*[getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n)])(_query)
+_METADATA.update(getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n))
 
 
 @register_handler(T._base.__get__)

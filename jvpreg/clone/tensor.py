@@ -39,6 +39,9 @@ class CloneTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if not _ACTIVE[0]:
+            if func in _METADATA:  # the physical batch's, as autograd saw it inside a rule
+                with DisableTorchFunctionSubclass():
+                    return func(*args, **(kwargs or {}))
             raise RuntimeError(
                 f"jvpreg clone mode: {getattr(func, '__name__', func)} was called on a clone batch outside a clone "
                 "forward. Run the forward with jvpreg.clone.call(model, clones) (or jvpreg.jvp), which also "
@@ -59,10 +62,13 @@ class CloneTensor(torch.Tensor):
 
 
 _DISPATCH: list = [None]  # set by jvpreg.clone.dispatch (which imports this module)
+_METADATA: set = set()  # getters of metadata (shape, dtype, ...) answered outside a clone forward too, for the
+# physical batch: a clone that autograd saved inside a rule (subclass dispatch off) reads so there, and
+# torch.utils.checkpoint compares those reads with the same reads after its recomputation
 _ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.functions.active)
 _CAPTURING: list = [None]  # the tracer while jvpreg.clone.capture records a clone forward, else None
 _COMPILING: list = [False]  # the capture under way is for engine="compiled"
-_SWAPPED_CLONES: list = [0]  # clone tensors now in parameter/buffer slots (put there by jvpreg.clone.swap_in)
+_SWAPPED_CLONES: list = []  # (store, name, clone) of the parameter/buffer slots now holding a clone (swap_in)
 
 
 def compiling() -> bool:

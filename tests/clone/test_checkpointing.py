@@ -1,0 +1,203 @@
+"""Activation checkpointing (``torch.utils.checkpoint``) inside a clone forward (``jvpreg.clone.checkpointing``).
+
+References, in float64: the gradients of the same regularized step without checkpointing (equal to 1e-12), and the
+buffers of a plain checkpointed step (BatchNorm's running statistics, updated again by the recomputation in both).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+import jvpreg
+from jvpreg.bench import memory
+from jvpreg.clone import JVPCaptureWarning, capture
+from jvpreg.losses import JacobianFrobenius, ParameterSensitivity, Stack, regularized_forward
+
+D = torch.float64
+
+
+class Block(nn.Module):
+    def __init__(self, width=16, bn=False, drop=0.0):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width) if bn else nn.Identity()
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x):
+        return x + self.b(self.drop(torch.relu(self.bn(self.a(x)))))
+
+
+class Net(nn.Module):
+    """Residual blocks, each checkpointed when ``reentrant`` is a bool (``None``: no checkpointing)."""
+
+    def __init__(self, reentrant=None, depth=3, width=16, **block):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(width, **block) for _ in range(depth)])
+        self.head = nn.Linear(width, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.reentrant is None:
+                x = block(x)
+            else:
+                x = torch_checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+X = torch.randn(8, 16, dtype=D, generator=torch.Generator().manual_seed(0))
+Y = torch.arange(8) % 4
+
+
+def penalties(weights: bool):
+    if not weights:
+        return JacobianFrobenius(seed=0)
+    return Stack([JacobianFrobenius(seed=0), ParameterSensitivity(params=("*weight",), seed=1)])
+
+
+def regularized_steps(model, engine, weights=False, steps=3):
+    """Three SGD-free steps (the same weights each time): the last step's gradients and the buffers."""
+    for _ in range(steps):
+        torch.manual_seed(5)  # the same dropout masks with and without checkpointing
+        model.zero_grad()
+        out, pen = regularized_forward(model, X, penalties(weights), target=Y, engine=engine)
+        (F.cross_entropy(out, Y) + pen).backward()
+    return [p.grad.clone() for p in model.parameters()], [b.clone() for b in model.buffers()]
+
+
+def plain_steps(model, steps=3):
+    for _ in range(steps):
+        torch.manual_seed(5)
+        model.zero_grad()
+        F.cross_entropy(model(X), Y).backward()
+    return [b.clone() for b in model.buffers()]
+
+
+def assert_equal_lists(got, want, rtol):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("weights", [False, True], ids=["input", "input+weights"])
+@pytest.mark.parametrize("block", [{}, {"bn": True}, {"drop": 0.3}, {"bn": True, "drop": 0.3}],
+                         ids=["plain", "batchnorm", "dropout", "batchnorm+dropout"])
+@pytest.mark.parametrize("engine", ["eager", "auto"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradients_equal_those_without_checkpointing(reentrant, engine, block, weights):
+    torch.manual_seed(0)
+    base = Net(**block).to(D)
+    want, _ = regularized_steps(copy.deepcopy(base), "eager", weights)
+    model = copy.deepcopy(base)
+    model.reentrant = reentrant
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JVPCaptureWarning)
+        got, buffers = regularized_steps(model, engine, weights)
+    assert_equal_lists(got, want, rtol=1e-12)
+    if not reentrant:  # BatchNorm's statistics: updated by the recomputation too, as in a plain checkpointed step
+        # (the reentrant form drops the first block's graph when its input needs no gradient; the clone forward
+        # runs the non-reentrant form, whose gradients are right there)
+        plain = copy.deepcopy(base)
+        plain.reentrant = reentrant
+        assert_equal_lists(buffers, plain_steps(plain), rtol=0)
+
+
+def test_checkpointing_keeps_the_memory_of_a_checkpointed_2b_forward():
+    """The live-tensor peak of a regularized step with checkpointing is that of a plain checkpointed step on the
+    doubled batch (the clone batch's floor), and well below the regularized step without checkpointing."""
+    torch.manual_seed(0)
+    x = torch.randn(128, 128)
+
+    def live_peak(reentrant, regularized):
+        model = Net(reentrant, depth=16, width=128)
+
+        def step():
+            if regularized:
+                out, pen = regularized_forward(model, x, JacobianFrobenius(), engine="eager")
+                (out.square().mean() + pen).backward()
+            else:
+                model(torch.cat([x, x])).square().mean().backward()
+
+        step()
+        return memory.peak_live_bytes(step)
+
+    without = live_peak(None, True)
+    if without is None:
+        pytest.skip("torch.profiler's memory timeline is not available")
+    with_checkpoints = live_peak(False, True)
+    assert with_checkpoints < 0.6 * without
+    assert with_checkpoints < 1.1 * live_peak(False, False)
+
+
+def test_auto_runs_eager_with_one_warning_and_captures_without_gradients():
+    capture._WARNED.clear()
+    torch.manual_seed(0)
+    model = Net(reentrant=False).to(D)
+    with pytest.warns(JVPCaptureWarning, match="activation checkpointing"):
+        regularized_steps(model, "auto")
+    assert [p.gm for p in capture.programs(model).values()] == [None]
+    # a JVP without gradients saves nothing for backward: captured, exact
+    model.eval()
+    u = torch.randn_like(X)
+    plain = copy.deepcopy(model)
+    plain.reentrant = None  # torch.func.jvp fails inside a checkpoint on older torch
+    want = torch.func.jvp(plain, (X,), (u,))[1]
+    with torch.no_grad():
+        for _ in range(2):
+            _, t = jvpreg.jvp(model, (X,), (u,), engine="captured")
+    assert any(p.gm is not None for p in capture.programs(model).values())
+    torch.testing.assert_close(t, want, rtol=1e-12, atol=0)
+
+
+def test_a_clone_outside_a_clone_forward_answers_metadata_and_refuses_ops():
+    """The recomputation's check reads a saved clone's shape after the clone forward: the physical batch's."""
+    (cx,), _ = jvpreg.clone.pack((X,), (torch.randn(1, *X.shape, dtype=D),))
+    assert cx.shape == (2, *X.shape) and cx.dtype == D and cx.device == X.device
+    with pytest.raises(RuntimeError, match="outside a clone forward"):
+        cx.exp()
+
+
+def _zoo_step(model, x, engine):
+    for _ in range(2):
+        model.zero_grad()
+        torch.manual_seed(1)
+        out, pen = regularized_forward(model, x, JacobianFrobenius(seed=0), engine=engine)
+        (out.square().mean() + pen).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("source, name", [("timm", "test_vit"), ("timm", "resnet18d"), ("hf", "llama"),
+                                          ("hf", "bert")])
+def test_timm_and_hugging_face_checkpointing(source, name):
+    """timm's ``set_grad_checkpointing`` and Hugging Face's ``gradient_checkpointing_enable``, train mode."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("timm" if source == "timm" else "transformers")
+    spec = importlib.util.spec_from_file_location(
+        "model_zoo_sweep", Path(__file__).resolve().parents[2] / "scripts" / "model_zoo_sweep.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    torch.manual_seed(0)
+    model, call, x, _ = (zoo._timm if source == "timm" else zoo._hf)(name)
+    model.train()
+    want = _zoo_step(call(copy.deepcopy(model)), x, "eager")
+    if source == "timm":
+        model.set_grad_checkpointing(True)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames it
+            model.gradient_checkpointing_enable()
+    for engine in ("eager", "auto"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", JVPCaptureWarning)
+            got = _zoo_step(call(model), x, engine)
+        assert got.keys() == want.keys()
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-300, msg=n)
