@@ -383,3 +383,25 @@ def test_validation_jacobian_and_monitor_take_the_output_key():
     assert float(trainer.callback_metrics["jacobian/sigma_1"]) == pytest.approx(float(sigma1), rel=1e-2)
     with pytest.raises(TypeError, match=r"JacobianMonitor\(output_key=...\): expected None, an int \(index\) or a str"):
         JacobianMonitor(output_key=["logits"])
+
+
+@pytest.mark.parametrize("engine", ["auto", "eager"])
+def test_hf_gradient_checkpointing_in_a_fit_has_the_gradients_without_it(engine):
+    """``gradient_checkpointing_enable()``: the regularized step's gradients equal those without checkpointing."""
+    torch.manual_seed(0)
+    model = tiny_vit().to(F64).train()
+    grads = {}
+    for checkpointing in (False, True):
+        m = copy.deepcopy(model)
+        if checkpointing:
+            m.gradient_checkpointing_enable()
+        cap = GradCapture()
+        cb = JacobianRegularizer(1.0, seed=2, module="model", input_key="pixel_values", output_key="logits",
+                                 engine=engine)
+        make_trainer([cb, cap], max_steps=2, precision="64-true").fit(HFLit(m), dict_loader(F64))
+        grads[checkpointing] = cap.grads
+    for want, got in zip(*grads.values()):
+        assert want.keys() == got.keys()
+        scale = max(float(g.abs().max()) for g in want.values())  # the key bias's is rounding noise (softmax
+        for n in want:                                              # ignores it): compared on the global scale
+            torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-12 * scale, msg=n)
