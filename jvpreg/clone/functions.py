@@ -92,13 +92,17 @@ def _operator_autograd(cls: type) -> bool:
 
 def _install() -> None:
     from . import checkpointing
+    from .rules import flex_attention
 
     torch.autograd.Function.apply = classmethod(_apply)
     checkpointing.install()
+    flex_attention.install()
 
 
 def _uninstall() -> None:
     from . import checkpointing
+    from .rules import flex_attention
 
     torch.autograd.Function.apply = _ORIG_APPLY
     checkpointing.uninstall()
+    flex_attention.uninstall()

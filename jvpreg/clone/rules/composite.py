@@ -45,8 +45,9 @@ def _combine(out_a, body_out):
         return wrap(stack_blocks(out_a, out_a + block_delta(p[1:], p[0])))
 
 
-def def_composite(*funcs, aliases=None):
-    """Register ``body(input, ...)`` (called like the op, on clones) as the linearisation of ``funcs``."""
+def def_composite(*funcs, aliases=None, check=None):
+    """Register ``body(input, ...)`` (called like the op, on clones) as the linearisation of ``funcs``;
+    ``check(out_a, out)``, if given, sees the op's primal output and the body's clone output before they combine."""
 
     def deco(body):
         @register_op(*funcs, aliases=aliases, reentrant=True)
@@ -57,6 +58,8 @@ def def_composite(*funcs, aliases=None):
             out = body(*args, **kwargs)
             if out is NotImplemented:
                 return _fallback(func, args, kwargs)
+            if check is not None:
+                check(out_a, out)
             if isinstance(out, tuple):  # (var, mean) or (values, indices): indices are the primal's
                 parts = tuple(_combine(a, b) if is_clone(b) and b.is_floating_point() else b
                               for a, b in zip(out_a, out))
