@@ -83,7 +83,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from . import functions
+from . import compiled_code, functions
 from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
@@ -776,6 +776,9 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
             device = "cpu" if all(t.device.type == "cpu" for t in inputs) else "accelerator"
             prog.compiled = torch.compile(prog.gm, dynamic=False, options=inductor_options(device))
         run = prog.compiled
+        with torch.set_grad_enabled(torch.is_grad_enabled()), compiled_code.caller_stance():  # compiled inside a
+            outs = run(*(_inputs(leaves, slot_values) if inputs is None else inputs))  # clone forward too
+        return _rebuild(prog, outs)
     with torch.set_grad_enabled(torch.is_grad_enabled()):  # restored even if the replay raises midway
         outs = run(*(_inputs(leaves, slot_values) if inputs is None else inputs))
     return _rebuild(prog, outs)

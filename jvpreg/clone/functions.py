@@ -91,18 +91,20 @@ def _operator_autograd(cls: type) -> bool:
 
 
 def _install() -> None:
-    from . import checkpointing
+    from . import checkpointing, compiled_code
     from .rules import flex_attention
 
     torch.autograd.Function.apply = classmethod(_apply)
     checkpointing.install()
     flex_attention.install()
+    compiled_code.force_eager()
 
 
 def _uninstall() -> None:
-    from . import checkpointing
+    from . import checkpointing, compiled_code
     from .rules import flex_attention
 
     torch.autograd.Function.apply = _ORIG_APPLY
     checkpointing.uninstall()
     flex_attention.uninstall()
+    compiled_code.restore()
