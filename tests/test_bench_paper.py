@@ -5,8 +5,10 @@ written, cells are checked against clone, failures (injected) are recorded rathe
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -392,3 +394,27 @@ def test_train_benchmark_refuses_a_cuda_device_it_cannot_see():
 
     with pytest.raises(SystemExit):
         train.main(["--device", "cuda", "--models", "mlp:8", "--out", ""])
+
+
+def test_train_benchmark_checkpoints_blocks_and_the_clone_step_keeps_its_gradients():
+    """``--checkpoint-blocks``: every transformer block under torch.utils.checkpoint; the clone step's gradients
+    equal those of the same step without checkpointing (and an MLP, with no block, is refused by name)."""
+    from jvpreg.bench import train
+
+    model, shape = train.build("vit")
+    wrapped = copy.deepcopy(model)
+    assert train.checkpoint_blocks(wrapped) == 4
+    assert sum(isinstance(m, train.Checkpointed) for m in wrapped.modules()) == 4
+    torch.manual_seed(0)
+    x, y = torch.randn(2, *shape), torch.randint(0, 10, (2,))
+    u = torch.randn_like(x)
+    grads = []
+    for m in (model, wrapped):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # JVPCaptureWarning: checkpointed blocks run in eager clone mode
+            step = train.Step("clone", m, x, y, u)
+            grads.append(step.gradient())
+    for (name, g), g_ckpt in zip(grads[0].items(), grads[1].values()):
+        torch.testing.assert_close(g_ckpt, g, rtol=1e-12, atol=1e-14, msg=name)  # float64
+    with pytest.raises(ValueError, match="checkpoint-blocks"):
+        train.checkpoint_blocks(train.build("mlp")[0])

@@ -294,11 +294,40 @@ def _grad_check(ref: Dict[str, torch.Tensor], got: Dict[str, torch.Tensor]) -> f
     return worst
 
 
+class Checkpointed(nn.Module):
+    """``block`` under ``torch.utils.checkpoint`` (non-reentrant): its activations recomputed in the backward."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args):
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False)
+
+
+_BLOCKS = ("BasicBlock", "Bottleneck", "EncoderBlock")  # torchvision's residual and transformer blocks
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Put each residual or transformer block of ``model`` under activation checkpointing; returns how many."""
+    n = 0
+    for mod in list(model.modules()):
+        for key, child in list(mod._modules.items()):
+            if type(child).__name__ in _BLOCKS:
+                mod._modules[key] = Checkpointed(child)
+                n += 1
+    if n == 0:
+        raise ValueError(f"--checkpoint-blocks: {type(model).__name__} has none of the blocks it wraps "
+                         f"({', '.join(_BLOCKS)}); use resnet18, resnet18_64px, resnet18_gn, vit or vit_257.")
+    return n
+
+
 def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[str], inplace: bool = True,
               profile: bool = False, log=print, device: str = "cpu",
-              autocast: Optional[torch.dtype] = None) -> List[dict]:
+              autocast: Optional[torch.dtype] = None, checkpointing: bool = False) -> List[dict]:
     torch.manual_seed(0)
     model, shape = build(name)
+    blocks = checkpoint_blocks(model) if checkpointing else 0
     model = model.to(device)
     if not inplace:  # same math; in-place activations become out-of-place for every method
         for mod in model.modules():
@@ -310,7 +339,7 @@ def run_model(name: str, batch: int, repeats: int, warmup: int, methods: List[st
     rows: List[dict] = []
     steps: Dict[str, Step] = {}
     for method in methods:
-        row = {"model": name, "method": method, "batch": batch, "input": list(shape)}
+        row = {"model": name, "method": method, "batch": batch, "input": list(shape), "checkpointed_blocks": blocks}
         try:
             step = Step(method, model, x, y, u, autocast)
             # fails fast, before any timing; at least 2 steps: engine="auto" captures on the second
@@ -463,7 +492,10 @@ def markdown(result: dict) -> str:
              + (f" Forward and penalty under `torch.autocast` ({result['autocast']}), backward outside it; the "
                 "gradient check runs in float64 without autocast." if result.get("autocast") else "")
              + ("" if result["inplace_activations"] else " In-place activations made out-of-place for every "
-                "method (`--no-inplace`)."), "",
+                "method (`--no-inplace`).")
+             + (" Every residual and transformer block under `torch.utils.checkpoint` (non-reentrant; "
+                "`--checkpoint-blocks`): the clone methods recompute them as clone forwards and run in eager clone mode "
+                "(a captured program would keep every activation)." if result.get("checkpoint_blocks") else ""), "",
              f"Command: `{result['command']}`", "",
              f"Machine: {result['machine']['cpu']}, {result['machine']['cpu_cores']} cores, "
              f"torch {result['machine']['torch']} ({result['machine']['torch_threads']} threads); load average "
@@ -544,6 +576,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "the gradient check stays in float64 without autocast")
     parser.add_argument("--no-inplace", action="store_true",
                         help="make in-place activations (ResNet's ReLU(inplace=True)) out-of-place for every method")
+    parser.add_argument("--checkpoint-blocks", action="store_true",
+                        help="put every residual and transformer block under torch.utils.checkpoint (activation "
+                             "checkpointing) for every method")
     parser.add_argument("--profile", action="store_true", help="add a torch.profiler breakdown per method")
     parser.add_argument("--steady-malloc", action="store_true",
                         help="never-trimmed glibc heap, as jemalloc/tcmalloc or a caching allocator keep one: no "
@@ -569,11 +604,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         name, _, b = spec.partition(":")
         rows += run_model(name, int(b) if b else args.batch, args.repeats, args.warmup, methods,
                           inplace=not args.no_inplace, profile=args.profile, device=args.device,
-                          autocast=AUTOCAST[args.autocast])
+                          autocast=AUTOCAST[args.autocast], checkpointing=args.checkpoint_blocks)
     result = {"command": command.strip(), "machine": machine_description(args.device), "device": args.device,
               "autocast": None if args.autocast == "none" else args.autocast,
               "load_average_start": load0,
-              "inplace_activations": not args.no_inplace, "threads": torch.get_num_threads(), "steady_malloc": steady,
+              "inplace_activations": not args.no_inplace, "checkpoint_blocks": args.checkpoint_blocks, "threads": torch.get_num_threads(), "steady_malloc": steady,
               "load_average_end": [round(v, 2) for v in os.getloadavg()], "lambda": LAM,
               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "notes": list(args.note), "results": rows}
     result["targets"] = targets(rows)
