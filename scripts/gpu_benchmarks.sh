@@ -20,7 +20,7 @@
 #   part 2: the training step (plain, plain 2B, clone eager / captured / compiled, double backprop, torch.func.jvp)
 #           for ResNet-18 with BatchNorm, the MLP and the small ViT, fp32 and bf16 autocast
 #   part 3: the small-op models at batch 8, 32 and 128 (fp32 and bf16), the recurrent models with every engine, and
-#           the paper's 13 architectures (JVP w.r.t. the input, 100x100 and 400x400)
+#           the paper's 13 architectures (JVP w.r.t. the input, 100x100 and 400x400); the tests that need a GPU
 set -u -o pipefail
 part=${1:?usage: gpu_benchmarks.sh PART OUTDIR (PART: 1, 2 or 3)}
 out=${2:?usage: gpu_benchmarks.sh PART OUTDIR}
@@ -94,5 +94,7 @@ case $part in
     step paper 150 python -m jvpreg.bench paper --shapes $paper_shapes --kinds x \
         --methods func_jvp,forward_ad,double_vjp,clone,fwd_2b --device $dev --repeats $repeats \
         --cell-budget 2 --no-plot --quiet --out "$res" --name "paper_$dev"
+    # the tests that need a GPU (FlexAttention has no backward on the CPU): the result is in the log
+    step gpu_tests 60 python -m pytest tests/clone/test_flex_attention.py -q -p no:cacheprovider -rs
     ;;
 esac
