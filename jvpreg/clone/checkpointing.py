@@ -9,10 +9,12 @@ recomputes the same ops, so it saves the same tensors (torch's determinism check
 that of a checkpointed forward of the clone batch.
 
 * ``use_reentrant=False`` (timm's and Hugging Face's default): the recomputed function is swapped in where torch
-  builds the checkpoint (``_checkpoint_without_reentrant_generator[_impl]``, which takes the function first);
+  builds the checkpoint (``_checkpoint_without_reentrant_generator[_impl]``, which takes the function first), for
+  every checkpoint in the clone forward (a region may see clones only through perturbed weights);
 * ``use_reentrant=True``: ``CheckpointFunction`` is routed to the non-reentrant form (the same gradients, also
   where the reentrant form drops those of a region whose inputs need none);
-* older torch (2.11) keeps the region's inputs with a ``_NoopSaveInputs`` autograd.Function: it runs as it is.
+* torch's checkpoint keeps the region's inputs and reads their metadata outside the clone forward: it is handed
+  them as plain physical batches, and the recomputed function gets them back as clone batches.
 
 A captured program replays the ops without the recomputation, so it would keep every activation a checkpoint drops:
 with gradients enabled, a checkpointed region is not captured and the call runs in eager clone mode
@@ -21,14 +23,16 @@ with gradients enabled, a checkpointed region is not captured and the call runs 
 from __future__ import annotations
 
 import functools
-from typing import Callable, List
+import inspect
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch._C import _EnableTorchFunction
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import api, functions
-from .tensor import _SWAPPED_CLONES, capturing, iter_clones
+from .tensor import _SWAPPED_CLONES, CloneTensor, capturing, wrap
 
 _NAMES = ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
 _ORIGINALS = {name: getattr(torch_checkpoint, name) for name in _NAMES if hasattr(torch_checkpoint, name)}
@@ -38,7 +42,7 @@ NOT_CAPTURED = ("activation checkpointing (torch.utils.checkpoint): a captured p
 
 
 def install() -> None:
-    """Route checkpoints whose inputs hold clone batches (called when the outermost clone forward starts)."""
+    """Route every checkpoint (called when the outermost clone forward starts)."""
     for name, original in _ORIGINALS.items():
         setattr(torch_checkpoint, name, _routed(original))
 
@@ -49,26 +53,56 @@ def uninstall() -> None:
 
 
 def _routed(original: Callable) -> Callable:
+    signature = inspect.signature(original)  # torch 2.11: (fn, preserve_rng_state, ..., *args, **kwargs);
+    # later: (fn, args, kwargs, *, preserve_rng_state, ...): the region's own arguments are `args` and `kwargs`
+
     @functools.wraps(original)
     def generator(fn, *args, **kwargs):
-        if next(iter_clones((args, kwargs)), None) is not None:
-            if capturing() and torch.is_grad_enabled():
-                from .capture import CaptureError
+        if capturing() and torch.is_grad_enabled():
+            from .capture import CaptureError
 
-                raise CaptureError(NOT_CAPTURED)
-            fn = recomputed_in_clone_mode(fn)
-        return original(fn, *args, **kwargs)
+            raise CaptureError(NOT_CAPTURED)
+        bound = signature.bind(fn, *args, **kwargs)
+        leaves, spec = tree_flatten((tuple(bound.arguments.get("args", ())), dict(bound.arguments.get("kwargs", {}))))
+        marks = {}  # leaf position -> (physical shape, the clone's state flag)
+        for i, leaf in enumerate(leaves):
+            if type(leaf) is CloneTensor:
+                leaves[i] = leaf.as_subclass(torch.Tensor)
+                marks[i] = (tuple(leaves[i].shape), bool(leaf._jvp_state))
+        if marks:
+            region_args, region_kwargs = tree_unflatten(leaves, spec)
+            bound.arguments["args"], bound.arguments["kwargs"] = region_args, region_kwargs
+        bound.arguments["fn"] = recomputed_in_clone_mode(fn, marks)
+        return original(*bound.args, **bound.kwargs)
 
     return generator
 
 
-def recomputed_in_clone_mode(fn: Callable) -> Callable:
-    """``fn`` as a clone forward wherever it is called: inside the clone forward it is ``fn``; in the backward pass
-    (the recomputation) it puts back the clones that parameter slots hold now, and runs ``fn`` in clone mode."""
+def recomputed_in_clone_mode(fn: Callable, marks: Optional[Dict[int, tuple]] = None) -> Callable:
+    """``fn`` for torch's checkpoint, which keeps the region's inputs and calls ``fn(*args, **kwargs)`` on them in
+    the backward pass.
+
+    The checkpoint is handed the clone inputs as their plain physical batches (its bookkeeping reads their shapes
+    outside the clone forward); ``marks`` maps each one's position among the flattened ``(args, kwargs)`` to its
+    physical shape and state flag, and ``fn`` gets them back there as clone batches (a position that holds no tensor
+    of that shape is an error, never a recomputation on the wrong rows). The clones that parameter slots hold now are
+    put back for it, and it runs in clone mode."""
     slots: List[tuple] = list(_SWAPPED_CLONES)
+    marks = dict(marks or {})
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if marks:
+            leaves, spec = tree_flatten((args, kwargs))
+            for i, (shape, state) in marks.items():
+                leaf = leaves[i] if i < len(leaves) else None
+                if not (isinstance(leaf, torch.Tensor) and type(leaf) is not CloneTensor and tuple(leaf.shape) == shape):
+                    raise RuntimeError(
+                        f"jvpreg clone mode: torch.utils.checkpoint recomputed a region without the clone batch it "
+                        f"kept as input {i} (of shape {shape}); the recomputation would run on the wrong rows. Call "
+                        f"this region without checkpointing, or report your torch version ({torch.__version__}).")
+                leaves[i] = wrap(leaf, state=state)
+            args, kwargs = tree_unflatten(leaves, spec)
         saved = api.put_in([s for s in slots if s[0].get(s[1]) is not s[2]])
         try:
             with functions.active(), _EnableTorchFunction():
@@ -87,11 +121,4 @@ def reentrant_rule(args, kwargs):
                                            preserve_rng_state=preserve_rng_state)
 
 
-def _save_inputs_rule(args, kwargs):
-    """``_NoopSaveInputs`` (older torch keeps a checkpoint's inputs with it): it saves them as they are."""
-    return functions._orig(torch_checkpoint._NoopSaveInputs, *args, **kwargs)
-
-
 functions.register_function_rule(torch_checkpoint.CheckpointFunction)(reentrant_rule)
-if hasattr(torch_checkpoint, "_NoopSaveInputs"):
-    functions.register_function_rule(torch_checkpoint._NoopSaveInputs)(_save_inputs_rule)

@@ -201,3 +201,73 @@ def test_timm_and_hugging_face_checkpointing(source, name):
         assert got.keys() == want.keys()
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-300, msg=n)
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, scale=1.0):
+        return torch.tanh(self.a(x)) * scale, self.b(x).relu()
+
+
+class Regions(nn.Module):
+    """Checkpointed regions as models write them: keyword arguments and tuple outputs, nested regions,
+    ``checkpoint_sequential``; ``layout=None`` runs the same computation without checkpointing."""
+
+    def __init__(self, layout=None):
+        super().__init__()
+        self.pair = Pair()
+        self.seq = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.SiLU())
+        self.head = nn.Linear(16, 4)
+        self.layout = layout
+
+    def forward(self, x):
+        def cp(fn, *args, **kwargs):
+            return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+        if self.layout is None:
+            a, b = self.pair(x, scale=0.5)
+            y = self.seq(a + b)
+        elif self.layout == "kwargs_and_tuple":
+            a, b = cp(self.pair, x, scale=0.5)
+            y = self.seq(a + b)
+        elif self.layout == "nested":
+            def outer(z):
+                a, b = cp(self.pair, z, scale=0.5)
+                return cp(self.seq, a + b)
+
+            y = cp(outer, x)
+        else:  # "sequential"
+            a, b = self.pair(x, scale=0.5)
+            y = torch_checkpoint.checkpoint_sequential(self.seq, 2, a + b, use_reentrant=False)
+        return self.head(y)
+
+
+REGION_PENALTIES = {
+    "input": lambda: JacobianFrobenius(seed=0),
+    "weights_only": lambda: ParameterSensitivity(params=("*weight",), seed=1),  # the input is no clone batch
+    "both": lambda: Stack([JacobianFrobenius(2, seed=0), ParameterSensitivity(params=("seq.*",), seed=1)]),
+}
+
+
+@pytest.mark.parametrize("penalty", sorted(REGION_PENALTIES))
+@pytest.mark.parametrize("layout", ["kwargs_and_tuple", "nested", "sequential"])
+def test_nested_keyword_and_sequential_regions(layout, penalty):
+    torch.manual_seed(0)
+    base = Regions().to(D)
+
+    def grads(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", JVPCaptureWarning)
+            for _ in range(3):
+                model.zero_grad()
+                out, pen = regularized_forward(model, X, REGION_PENALTIES[penalty](), target=Y)
+                (F.cross_entropy(out, Y) + pen).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    model.layout = layout
+    assert_equal_lists(grads(model), want, rtol=1e-12)
