@@ -512,7 +512,8 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     device = next((t.device for t in inputs), torch.device("cpu"))
     with _restored_state(module, device), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
-        gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
+        with compiled_code.traced_through():  # a compiled function the model calls: its code
+            gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
     _check_constants(gm, out_meta["traced_storages"])
     reads = out_meta["reads"]
     expected = [("value", v) for v in reads.values]

@@ -43,8 +43,8 @@ NOT_CAPTURED = ("activation checkpointing (torch.utils.checkpoint): a captured p
 
 def install() -> None:
     """Route every checkpoint (called when the outermost clone forward starts)."""
-    for name, original in _ORIGINALS.items():
-        setattr(torch_checkpoint, name, _routed(original))
+    for name, routed in _ROUTED.items():
+        setattr(torch_checkpoint, name, routed)
 
 
 def uninstall() -> None:
@@ -111,6 +111,9 @@ def recomputed_in_clone_mode(fn: Callable, marks: Optional[Dict[int, tuple]] = N
             api.restore(saved)
 
     return run
+
+
+_ROUTED = {name: _routed(original) for name, original in _ORIGINALS.items()}  # built once: install is two setattrs
 
 
 def reentrant_rule(args, kwargs):

@@ -90,21 +90,27 @@ def _operator_autograd(cls: type) -> bool:
     return cls.__module__ == "torch._library.autograd"
 
 
-def _install() -> None:
-    from . import checkpointing, compiled_code
-    from .rules import flex_attention
+_HOOKS: list = []  # (install, uninstall) of the other global routes a clone forward needs (imported once)
 
+
+def _hooks() -> list:
+    if not _HOOKS:
+        from . import checkpointing, compiled_code
+        from .rules import flex_attention
+
+        _HOOKS.extend([(checkpointing.install, checkpointing.uninstall),
+                       (flex_attention.install, flex_attention.uninstall),
+                       (compiled_code.force_eager, compiled_code.restore)])
+    return _HOOKS
+
+
+def _install() -> None:
     torch.autograd.Function.apply = classmethod(_apply)
-    checkpointing.install()
-    flex_attention.install()
-    compiled_code.force_eager()
+    for install, _ in _hooks():
+        install()
 
 
 def _uninstall() -> None:
-    from . import checkpointing, compiled_code
-    from .rules import flex_attention
-
     torch.autograd.Function.apply = _ORIG_APPLY
-    checkpointing.uninstall()
-    flex_attention.uninstall()
-    compiled_code.restore()
+    for _, uninstall in reversed(_hooks()):
+        uninstall()
