@@ -6,6 +6,7 @@ buffers of a plain checkpointed step (BatchNorm's running statistics, updated ag
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -212,9 +213,15 @@ class Pair(nn.Module):
         return torch.tanh(self.a(x)) * scale, self.b(x).relu()
 
 
+def _save_matmuls(ctx, op, *args, **kwargs):
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    policy = torch_checkpoint.CheckpointPolicy
+    return policy.MUST_SAVE if op in matmuls else policy.PREFER_RECOMPUTE
+
+
 class Regions(nn.Module):
     """Checkpointed regions as models write them: keyword arguments and tuple outputs, nested regions,
-    ``checkpoint_sequential``; ``layout=None`` runs the same computation without checkpointing."""
+    ``checkpoint_sequential``, selective checkpointing; ``layout=None`` runs the same computation without checkpointing."""
 
     def __init__(self, layout=None):
         super().__init__()
@@ -239,6 +246,10 @@ class Regions(nn.Module):
                 return cp(self.seq, a + b)
 
             y = cp(outer, x)
+        elif self.layout == "selective":  # selective activation checkpointing: the matmuls saved, the rest recomputed
+            context = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _save_matmuls)
+            a, b = cp(self.pair, x, scale=0.5, context_fn=context)
+            y = cp(self.seq, a + b, context_fn=context)
         else:  # "sequential"
             a, b = self.pair(x, scale=0.5)
             y = torch_checkpoint.checkpoint_sequential(self.seq, 2, a + b, use_reentrant=False)
@@ -253,7 +264,7 @@ REGION_PENALTIES = {
 
 
 @pytest.mark.parametrize("penalty", sorted(REGION_PENALTIES))
-@pytest.mark.parametrize("layout", ["kwargs_and_tuple", "nested", "sequential"])
+@pytest.mark.parametrize("layout", ["kwargs_and_tuple", "nested", "sequential", "selective"])
 def test_nested_keyword_and_sequential_regions(layout, penalty):
     torch.manual_seed(0)
     base = Regions().to(D)
