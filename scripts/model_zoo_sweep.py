@@ -261,7 +261,9 @@ def check_one(source: str, name: str) -> dict:
     row["fallback_ops"] = sorted(fallbacks)
     row["not_captured"] = capture_reason
     row["host_reads"] = host_reads(model, call, x)
-    row["verdict"] = "exact" if max(row["error64_eager"], row["error64_captured"]) <= EXACT else "MISMATCH"
+    row["checkpointing"], row["error64_checkpointing"] = checkpointing(source, model, call, x)
+    exact = max(row["error64_eager"], row["error64_captured"], row["error64_checkpointing"] or 0.0) <= EXACT
+    row["verdict"] = "exact" if exact else "MISMATCH"
     return row
 
 
@@ -299,6 +301,52 @@ def host_reads(model, call, x) -> str:
     return "none"
 
 
+def checkpointing(source: str, model, call, x) -> tuple:
+    """A regularized training step (train mode, dropout off, ``JacobianFrobenius`` + ``ParameterSensitivity`` on every
+    weight) with the model's own activation checkpointing on (timm ``set_grad_checkpointing``, Hugging Face
+    ``gradient_checkpointing_enable``), eager and ``auto`` engines, against the same step without it, in float64:
+    ``(what ran, the largest gradient difference over the largest gradient)``; ``(why not, None)`` where the model
+    has no checkpointing."""
+    import torch
+
+    from jvpreg.losses import JacobianFrobenius, ParameterSensitivity, Stack, regularized_forward
+
+    base = copy.deepcopy(model).train()
+    for mod in base.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    checkpointed = copy.deepcopy(base)
+    try:
+        if source == "timm":
+            checkpointed.set_grad_checkpointing(True)
+        else:
+            checkpointed.gradient_checkpointing_enable()
+    except Exception as err:  # noqa: BLE001  (recorded: the architecture has none)
+        return f"no checkpointing in the model ({type(err).__name__})", None
+
+    def grads(m, engine):
+        f = call(m)
+        for _ in range(2):
+            f.zero_grad()
+            penalty = Stack([JacobianFrobenius(seed=0), ParameterSensitivity(params=("*weight",), seed=1)])
+            out, pen = regularized_forward(f, x, penalty, engine=engine)
+            (out.square().mean() + pen).backward()
+        return {n: p.grad for n, p in f.named_parameters() if p.grad is not None}
+
+    want = grads(base, "eager")
+    scale = max(float(g.abs().max()) for g in want.values()) or 1.0
+    worst = 0.0
+    for engine in ("eager", "auto"):
+        try:
+            got = grads(checkpointed, engine)
+        except Exception as err:  # noqa: BLE001  (recorded)
+            return f"error ({engine}): {type(err).__name__}: {str(err).splitlines()[0][:100]}", float("inf")
+        if got.keys() != want.keys():
+            return f"gradients of other parameters ({engine})", float("inf")
+        worst = max(worst, max(float((got[n] - want[n]).abs().max()) for n in want) / scale)
+    return "regularized step, eager and auto", worst
+
+
 # --------------------------------------------------------------------------------------------- the sweep
 
 
@@ -327,6 +375,11 @@ def _e(v) -> str:
     return "" if v is None else f"{v:.1e}"
 
 
+def _checkpointing_cell(r: dict) -> str:
+    err = r.get("error64_checkpointing")
+    return r.get("checkpointing", "") if err is None else f"{_e(err)} ({r.get('checkpointing', '')})"
+
+
 def to_markdown(rows: list, command: str) -> str:
     import torch
 
@@ -341,23 +394,26 @@ def to_markdown(rows: list, command: str) -> str:
         "exact (the verdict: exact within 1e-10). *first call*: seconds, eager vs captured (the capture included). "
         "*host reads*: what reads a tensor's value on the host during a JVP (on a GPU, a synchronisation), found "
         "on the meta device, where every read raises; *the model's own forward* reads values in a plain forward "
-        "too (Hugging Face's attention-mask checks).",
+        "too (Hugging Face's attention-mask checks). *checkpointing*: a regularized training step (train mode, "
+        "Jacobian + weight-sensitivity penalties) with the model's own activation checkpointing on, against the same "
+        "step without it: the largest gradient difference over the largest gradient (part of the verdict).",
         "", f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {platform.system()}, torch {torch.__version__}, CPU.  ",
         "Verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".", "",
         "| source | model | input | reference | eager (as is) | captured (as is) | eager (f64) | captured (f64) "
-        "| verdict | first call eager / captured (s) | ops on the fallback | not captured because | host reads |",
-        "|---|---|---|---|---:|---:|---:|---:|---|---:|---|---|---|",
+        "| verdict | first call eager / captured (s) | ops on the fallback | not captured because | host reads "
+        "| checkpointing |",
+        "|---|---|---|---|---:|---:|---:|---:|---|---:|---|---|---|---|",
     ]
     for r in rows:
         if r["verdict"] == "error":
-            lines.append(f"| {r['source']} | `{r['model']}` | | | | | | | error | | | {r.get('error', '')} | |")
+            lines.append(f"| {r['source']} | `{r['model']}` | | | | | | | error | | | {r.get('error', '')} | | |")
             continue
         lines.append(
             f"| {r['source']} | `{r['model']}` | {r['input']} | {r['reference']} | {_e(r['error_eager'])} | "
             f"{_e(r['error_captured'])} | {_e(r['error64_eager'])} | {_e(r['error64_captured'])} | {r['verdict']} | "
             f"{r['first_call_s_eager']} / {r['first_call_s_captured']} | {', '.join(r['fallback_ops'])} | "
-            f"{r['not_captured']} | {r.get('host_reads', '')} |")
+            f"{r['not_captured']} | {r.get('host_reads', '')} | {_checkpointing_cell(r)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -51,13 +51,17 @@ def test_check_one_finds_both_engines_exact(zoo, source, name):
         assert 1e-9 < row["error_eager"] < 1e-6
     # on the meta device: the timm model's JVP reads no value; HF's mask checks read one in a plain forward too
     assert row["host_reads"] == ("none" if source == "timm" else "the model's own forward")
+    # its own activation checkpointing on, a regularized step has the gradients of the step without it
+    assert row["checkpointing"].startswith("regularized step") and row["error64_checkpointing"] <= zoo.EXACT
 
 
 def test_markdown_lists_every_row(zoo):
     rows = [{"source": "timm", "model": "m1", "input": "2x3", "reference": "torch.func.jvp", "error_eager": 1e-16,
              "error_captured": 2e-16, "error64_eager": 1e-16, "error64_captured": 2e-16, "verdict": "exact",
              "first_call_s_eager": 0.1, "first_call_s_captured": 1.0, "fallback_ops": ["torch.celu"],
-             "not_captured": "torch.celu has no clone rule", "host_reads": "the model's own forward"},
+             "not_captured": "torch.celu has no clone rule", "host_reads": "the model's own forward",
+             "checkpointing": "regularized step, eager and auto", "error64_checkpointing": 0.0},
             {"source": "hf", "model": "m2", "verdict": "error", "error": "timed out after 300 s"}]
     md = zoo.to_markdown(rows, "python scripts/model_zoo_sweep.py")
-    assert "`m1`" in md and "torch.celu" in md and "the model's own forward" in md and "timed out" in md and "error 1, exact 1" in md
+    assert "`m1`" in md and "torch.celu" in md and "the model's own forward" in md
+    assert "0.0e+00 (regularized step, eager and auto)" in md and "timed out" in md and "error 1, exact 1" in md
