@@ -306,7 +306,8 @@ def checkpointing(source: str, model, call, x) -> tuple:
     weight) with the model's own activation checkpointing on (timm ``set_grad_checkpointing``, Hugging Face
     ``gradient_checkpointing_enable``), eager and ``auto`` engines, against the same step without it, in float64:
     ``(what ran, the largest gradient difference over the largest gradient)``; ``(why not, None)`` where the model
-    has no checkpointing."""
+    has no checkpointing, or where its plain forward with checkpointing already differs from the one without (timm's
+    Swin at 64x64, in plain PyTorch)."""
     import torch
 
     from jvpreg.losses import JacobianFrobenius, ParameterSensitivity, Stack, regularized_forward
@@ -323,6 +324,10 @@ def checkpointing(source: str, model, call, x) -> tuple:
             checkpointed.gradient_checkpointing_enable()
     except Exception as err:  # noqa: BLE001  (recorded: the architecture has none)
         return f"no checkpointing in the model ({type(err).__name__})", None
+    with torch.no_grad():  # a model whose checkpointed path computes something else is not jvpreg's to compare
+        diff = float((call(copy.deepcopy(base))(x) - call(copy.deepcopy(checkpointed))(x)).abs().max())
+    if diff > 1e-10:
+        return f"the model's checkpointed forward differs from its plain one (max abs {diff:.1e}): not compared", None
 
     def grads(m, engine):
         f = call(m)
