@@ -65,3 +65,27 @@ def test_markdown_lists_every_row(zoo):
     md = zoo.to_markdown(rows, "python scripts/model_zoo_sweep.py")
     assert "`m1`" in md and "torch.celu" in md and "the model's own forward" in md
     assert "0.0e+00 (regularized step, eager and auto)" in md and "timed out" in md and "error 1, exact 1" in md
+
+
+def test_checkpointing_column_compares_only_models_whose_checkpointed_forward_is_the_same(zoo):
+    class Net(torch.nn.Module):
+        def __init__(self, changes):
+            super().__init__()
+            self.a, self.b, self.ckpt, self.changes = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), False, changes
+
+        def set_grad_checkpointing(self, enable=True):
+            self.ckpt = enable
+
+        def forward(self, x):
+            if self.ckpt:
+                h = torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+                return self.b(torch.tanh(h + (1.0 if self.changes else 0.0)))
+            return self.b(torch.tanh(self.a(x)))
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    what, err = zoo.checkpointing("timm", Net(False).double(), lambda m: m, x)
+    assert what.startswith("regularized step") and err <= zoo.EXACT
+    what, err = zoo.checkpointing("timm", Net(True).double(), lambda m: m, x)
+    assert "differs from its plain one" in what and err is None
+    what, err = zoo.checkpointing("hf", Net(False).double(), lambda m: m, x)  # no gradient_checkpointing_enable
+    assert what.startswith("no checkpointing") and err is None
