@@ -12,7 +12,8 @@ that of a checkpointed forward of the clone batch.
   builds the checkpoint (``_checkpoint_without_reentrant_generator[_impl]``, which takes the function first), for
   every checkpoint in the clone forward (a region may see clones only through perturbed weights);
 * ``use_reentrant=True``: ``CheckpointFunction`` is routed to the non-reentrant form (the same gradients, also
-  where the reentrant form drops those of a region whose inputs need none);
+  where the reentrant form drops those of a region whose inputs need none), whether or not its arguments hold clones
+  (a region may see clones only through perturbed weights);
 * torch's checkpoint keeps the region's inputs and reads their metadata outside the clone forward: it is handed
   them as plain physical batches, and the recomputed function gets them back as clone batches.
 
@@ -124,4 +125,4 @@ def reentrant_rule(args, kwargs):
                                            preserve_rng_state=preserve_rng_state)
 
 
-functions.register_function_rule(torch_checkpoint.CheckpointFunction)(reentrant_rule)
+functions.register_function_rule(torch_checkpoint.CheckpointFunction, always=True)(reentrant_rule)

@@ -21,13 +21,18 @@ from .dispatch import fallback
 from .tensor import _ACTIVE, _CAPTURING, iter_clones
 
 FUNCTION_RULES: Dict[type, Callable] = {}
+ALWAYS_ROUTED: set = set()  # Function classes whose rule runs inside a clone forward even without clone arguments
 
 
-def register_function_rule(function_cls: type) -> Callable:
-    """Register ``handler(args, kwargs)`` for a custom ``torch.autograd.Function`` class."""
+def register_function_rule(function_cls: type, *, always: bool = False) -> Callable:
+    """Register ``handler(args, kwargs)`` for a custom ``torch.autograd.Function`` class; ``always``: also for calls
+    without clone arguments inside a clone forward (a Function whose body may reach clones another way: the
+    reentrant checkpoint's region reads perturbed weights)."""
 
     def deco(handler: Callable) -> Callable:
         FUNCTION_RULES[function_cls] = handler
+        if always:
+            ALWAYS_ROUTED.add(function_cls)
         return handler
 
     return deco
@@ -69,7 +74,7 @@ def _orig(cls, *args, **kwargs):
 
 
 def _apply(cls, *args, **kwargs):
-    if next(iter_clones((args, kwargs)), None) is None:
+    if next(iter_clones((args, kwargs)), None) is None and cls not in ALWAYS_ROUTED:
         if _CAPTURING[0] is not None and torch.is_grad_enabled() and not _operator_autograd(cls):
             from .capture import CaptureError
 

@@ -246,6 +246,9 @@ class Regions(nn.Module):
                 return cp(self.seq, a + b)
 
             y = cp(outer, x)
+        elif self.layout == "reentrant":  # the region reads perturbed weights; its input may hold no clone
+            a, b = torch_checkpoint.checkpoint(self.pair, x, 0.5, use_reentrant=True)
+            y = torch_checkpoint.checkpoint(self.seq, a + b, use_reentrant=True)
         elif self.layout == "selective":  # selective activation checkpointing: the matmuls saved, the rest recomputed
             context = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _save_matmuls)
             a, b = cp(self.pair, x, scale=0.5, context_fn=context)
@@ -264,7 +267,7 @@ REGION_PENALTIES = {
 
 
 @pytest.mark.parametrize("penalty", sorted(REGION_PENALTIES))
-@pytest.mark.parametrize("layout", ["kwargs_and_tuple", "nested", "sequential", "selective"])
+@pytest.mark.parametrize("layout", ["kwargs_and_tuple", "nested", "sequential", "selective", "reentrant"])
 def test_nested_keyword_and_sequential_regions(layout, penalty):
     torch.manual_seed(0)
     base = Regions().to(D)
