@@ -639,7 +639,7 @@ def _pin_grad_modes(graph: torch.fx.Graph, initial: bool) -> None:
 
 def _clone_slots(slot_values: List[Any]) -> bool:
     """Some parameter or buffer slot holds a clone (parameter directions). Known without reading the slots'
-    tensors while no clone is swapped in (:func:`jvpreg.clone.api.swap_in` counts them): the usual call."""
+    tensors while no clone is swapped in (:func:`jvpreg.clone.api.swap_in` lists them): the usual call."""
     return bool(_tensor._SWAPPED_CLONES) and CloneTensor in set(map(type, slot_values))
 
 
@@ -777,10 +777,9 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
             device = "cpu" if all(t.device.type == "cpu" for t in inputs) else "accelerator"
             prog.compiled = torch.compile(prog.gm, dynamic=False, options=inductor_options(device))
         run = prog.compiled
-        with torch.set_grad_enabled(torch.is_grad_enabled()), compiled_code.caller_stance():  # compiled inside a
-            outs = run(*(_inputs(leaves, slot_values) if inputs is None else inputs))  # clone forward too
-        return _rebuild(prog, outs)
-    with torch.set_grad_enabled(torch.is_grad_enabled()):  # restored even if the replay raises midway
+    # grad mode restored even if the replay raises midway; a compiled program stays compiled inside a clone forward
+    stance = compiled_code.caller_stance() if engine == "compiled" else contextlib.nullcontext()
+    with torch.set_grad_enabled(torch.is_grad_enabled()), stance:
         outs = run(*(_inputs(leaves, slot_values) if inputs is None else inputs))
     return _rebuild(prog, outs)
 
