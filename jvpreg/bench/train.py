@@ -494,8 +494,8 @@ def markdown(result: dict) -> str:
              + ("" if result["inplace_activations"] else " In-place activations made out-of-place for every "
                 "method (`--no-inplace`).")
              + (" Every residual and transformer block under `torch.utils.checkpoint` (non-reentrant; "
-                "`--checkpoint-blocks`): the clone methods recompute them as clone forwards and run in eager clone mode "
-                "(a captured program would keep every activation)." if result.get("checkpoint_blocks") else ""), "",
+                "`--checkpoint-blocks`): the clone methods recompute them as clone forwards and run in eager clone "
+                "mode (a captured program would keep every activation)." if result.get("checkpoint_blocks") else ""), "",
              f"Command: `{result['command']}`", "",
              f"Machine: {result['machine']['cpu']}, {result['machine']['cpu_cores']} cores, "
              f"torch {result['machine']['torch']} ({result['machine']['torch_threads']} threads); load average "
@@ -608,7 +608,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = {"command": command.strip(), "machine": machine_description(args.device), "device": args.device,
               "autocast": None if args.autocast == "none" else args.autocast,
               "load_average_start": load0,
-              "inplace_activations": not args.no_inplace, "checkpoint_blocks": args.checkpoint_blocks, "threads": torch.get_num_threads(), "steady_malloc": steady,
+              "inplace_activations": not args.no_inplace, "checkpoint_blocks": args.checkpoint_blocks,
+              "threads": torch.get_num_threads(), "steady_malloc": steady,
               "load_average_end": [round(v, 2) for v in os.getloadavg()], "lambda": LAM,
               "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "notes": list(args.note), "results": rows}
     result["targets"] = targets(rows)

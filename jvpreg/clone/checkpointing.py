@@ -97,7 +97,8 @@ def recomputed_in_clone_mode(fn: Callable, marks: Optional[Dict[int, tuple]] = N
             leaves, spec = tree_flatten((args, kwargs))
             for i, (shape, state) in marks.items():
                 leaf = leaves[i] if i < len(leaves) else None
-                if not (isinstance(leaf, torch.Tensor) and type(leaf) is not CloneTensor and tuple(leaf.shape) == shape):
+                plain = isinstance(leaf, torch.Tensor) and type(leaf) is not CloneTensor
+                if not (plain and tuple(leaf.shape) == shape):
                     raise RuntimeError(
                         f"jvpreg clone mode: torch.utils.checkpoint recomputed a region without the clone batch it "
                         f"kept as input {i} (of shape {shape}); the recomputation would run on the wrong rows. Call "

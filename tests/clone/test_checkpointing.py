@@ -221,7 +221,8 @@ def _save_matmuls(ctx, op, *args, **kwargs):
 
 class Regions(nn.Module):
     """Checkpointed regions as models write them: keyword arguments and tuple outputs, nested regions,
-    ``checkpoint_sequential``, selective checkpointing; ``layout=None`` runs the same computation without checkpointing."""
+    ``checkpoint_sequential``, selective checkpointing, reentrant regions; ``layout=None`` runs the same computation
+    without checkpointing."""
 
     def __init__(self, layout=None):
         super().__init__()

@@ -1,4 +1,5 @@
-"""``torch.compile``-d functions called inside a clone forward run their original code (``jvpreg/clone/compiled_code.py``).
+"""``torch.compile``-d functions called inside a clone forward run their original code
+(``jvpreg/clone/compiled_code.py``).
 
 Reference: ``torch.func.jvp`` of the same model with the helper uncompiled, in float64.
 """

@@ -25,8 +25,8 @@ from ..dispatch import fallback
 from ..registry import register_rule
 from .. import kernels
 from ..kernels import batch_norm_tangent, group_norm_tangent
-from ..tensor import (autocast_enabled, block_delta, compiling, delta_blocks, each_block, is_clone, kept_primal, primal_block, raw,
-                      stack_blocks, tile, varies)
+from ..tensor import (autocast_enabled, block_delta, compiling, delta_blocks, each_block, is_clone, kept_primal,
+                      primal_block, raw, stack_blocks, tile, varies)
 
 
 _primal, _delta = primal_block, delta_blocks
