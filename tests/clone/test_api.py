@@ -344,6 +344,18 @@ def test_validation_runs_before_func():
 # ----------------------------------------------------------------------------- jvp_params
 
 
+class Looked(nn.Module):
+    """An embedding looked up at fixed indices, added to the input (a transformer's position embedding)."""
+
+    def __init__(self, **embedding):
+        super().__init__()
+        self.emb = nn.Embedding(6, 4, **embedding)
+        self.register_buffer("ids", torch.tensor([0, 2, 2]))
+
+    def forward(self, x):
+        return torch.tanh(x + self.emb(self.ids)) * self.emb(self.ids.flip(0))
+
+
 class Bilinear(nn.Module):
     """Parameters used directly, not through a layer: ``x @ self.W`` and ``self.scale * x``."""
 
@@ -429,6 +441,9 @@ PARAM_SETTINGS = [
      "names": ["1.weight", "1.bias", "0.weight"]},
     {"id": "batchnorm-train-weight", "module": bn_net, "input_shape": (3, 2, 5, 5), "names": ["1.weight", "0.bias"],
      "train": True},
+    {"id": "embedding-weight", "module": Looked, "input_shape": (3, 4), "names": ["emb.weight"]},
+    {"id": "embedding-padding-freq", "module": lambda: Looked(padding_idx=2, scale_grad_by_freq=True),
+     "input_shape": (3, 4), "names": ["emb.weight"]},
     {"id": "matmul-param", "module": Bilinear, "input_shape": (3, 4), "names": ["W"]},
     {"id": "scale-param", "module": Bilinear, "input_shape": (3, 4), "names": ["scale"]},
     {"id": "0-dim-param", "module": Bilinear, "input_shape": (3, 4), "names": ["gain"]},
@@ -476,6 +491,29 @@ def test_jvp_params(setting, with_input_tangent):
     for (n, b), (_, b_ref) in zip(model.named_buffers(), model_ref.named_buffers()):
         torch.testing.assert_close(b, b_ref, rtol=1e-12, atol=1e-12, msg=lambda m: f"buffer {n}: {m}")
     assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("embedding", [{}, {"padding_idx": 2, "scale_grad_by_freq": True}], ids=["plain", "padding-freq"])
+def test_embedding_weight_direction_gradients(embedding, engine):
+    """The lookup of a weight direction keeps a plain lookup's backward (no gradient into ``padding_idx``'s row,
+    gradients scaled by index frequency): the gradient of ``||J_W U||^2`` is torch.func's."""
+    torch.manual_seed(0)
+    model = Looked(**embedding).to(D)
+    x, U = randn(3, 4), torch.randn(6, 4, dtype=D)
+    weight = model.emb.weight
+
+    def reference(w):
+        return torch.func.jvp(lambda w_: functional_call(model, {"emb.weight": w_}, (x,)), (w,), (U,))[1]
+
+    want = torch.autograd.grad(reference(weight).square().sum(), weight)[0]
+    with fallback_mode("error"):
+        for _ in range(2):
+            _, t = jvpreg.jvp_params(model, (x,), {"emb.weight": U}, engine=engine)
+    got = torch.autograd.grad(t.square().sum(), weight)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    if "padding_idx" in embedding:
+        assert got[2].abs().max() == 0
 
 
 def test_jvp_params_batched_equals_separate_calls():

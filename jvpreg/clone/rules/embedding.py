@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..dispatch import fallback, per_block
 from ..registry import register_handler, register_op
 from ..tensor import block_delta, is_clone
 
@@ -43,3 +44,14 @@ def embedding(func, input, weight, padding_idx=None, max_norm=None, norm_type=2.
     from ..dispatch import decomposition
 
     return decomposition(F.embedding)(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+
+
+@register_op(torch.embedding)
+def embedding_lookup(func, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """torch.embedding(weight, idx) = weight[idx]: linear in the weight, every block looked up alike (a weight
+    direction, :func:`jvpreg.jvp_params`); ``padding_idx`` and ``scale_grad_by_freq`` shape the backward of each
+    block as of a plain call. Clone indices (state, from the batch) with a plain weight: the exact fallback."""
+    args = (weight, indices, padding_idx, scale_grad_by_freq, sparse)
+    if not is_clone(weight) or weight._jvp_state or sparse:
+        return fallback(func, args, {})
+    return per_block(func, args, {})
