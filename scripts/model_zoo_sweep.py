@@ -304,7 +304,7 @@ def host_reads(model, call, x) -> str:
 def checkpointing(source: str, model, call, x) -> tuple:
     """A regularized training step (train mode, dropout modules and stochastic depth off, ``JacobianFrobenius`` + ``ParameterSensitivity`` on every
     weight) with the model's own activation checkpointing on (timm ``set_grad_checkpointing``, Hugging Face
-    ``gradient_checkpointing_enable``), eager and ``auto`` engines, against the same step without it, in float64:
+    ``gradient_checkpointing_enable``), eager and captured engines, each against its own step without it, in float64:
     ``(what ran, the largest gradient difference over the largest gradient)``; ``(why not, None)`` where the model
     has no checkpointing, or where its plain forward with checkpointing already differs from the one without. Every
     step draws from the same seed: stochastic depth and functional dropout made Swin, FocalNet, GhostNet and HF Swin
@@ -344,20 +344,36 @@ def checkpointing(source: str, model, call, x) -> tuple:
             penalty = Stack([JacobianFrobenius(seed=0), ParameterSensitivity(params=("*weight",), seed=1)])
             out, pen = regularized_forward(f, x, penalty, engine=engine)
             (out.square().mean() + pen).backward()
-        return {n: p.grad for n, p in f.named_parameters() if p.grad is not None}
+        return {n: p.grad for n, p in f.named_parameters() if p.grad is not None}, f
 
-    want = grads(base, "eager")
-    scale = max(float(g.abs().max()) for g in want.values()) or 1.0
-    worst = 0.0
-    for engine in ("eager", "auto"):
+    worst, notes = 0.0, []
+    for engine in ("eager", "captured"):  # each against its own step without checkpointing (HF's float32 norms
+        want, _ = grads(base, engine)     # make the two engines agree only to float32 rounding)
+        scale = max(float(g.abs().max()) for g in want.values()) or 1.0
         try:
-            got = grads(checkpointed, engine)
+            got, f = grads(checkpointed, engine)
         except Exception as err:  # noqa: BLE001  (recorded)
             return f"error ({engine}): {type(err).__name__}: {str(err).splitlines()[0][:100]}", float("inf")
         if got.keys() != want.keys():
             return f"gradients of other parameters ({engine})", float("inf")
         worst = max(worst, max(float((got[n] - want[n]).abs().max()) for n in want) / scale)
-    return "regularized step, eager and auto", worst
+        if engine == "captured":
+            notes.append(_captured_regions(f))
+    return f"regularized step, eager and captured ({'; '.join(notes)})", worst
+
+
+def _captured_regions(f) -> str:
+    """How the captured engine ran a checkpointed model: the regions its programs replay through checkpoint, or why
+    it ran eagerly."""
+    from jvpreg.clone import capture
+    from jvpreg.clone.checkpointed_regions import CheckpointedRegion
+
+    progs = list(capture.programs(f).values())
+    reasons = sorted({p.reason for p in progs if p.gm is None})
+    if reasons:
+        return "eager: " + reasons[0][:80]
+    regions = sum(isinstance(m, CheckpointedRegion) for p in progs for m in p.gm.children())
+    return f"{regions} checkpointed region{'' if regions == 1 else 's'} replayed"
 
 
 # --------------------------------------------------------------------------------------------- the sweep

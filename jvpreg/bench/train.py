@@ -494,8 +494,9 @@ def markdown(result: dict) -> str:
              + ("" if result["inplace_activations"] else " In-place activations made out-of-place for every "
                 "method (`--no-inplace`).")
              + (" Every residual and transformer block under `torch.utils.checkpoint` (non-reentrant; "
-                "`--checkpoint-blocks`): the clone methods recompute them as clone forwards and run in eager clone "
-                "mode (a captured program would keep every activation)." if result.get("checkpoint_blocks") else ""), "",
+                "`--checkpoint-blocks`): the clone methods recompute them as clone forwards; the captured and compiled "
+                "engines replay each block as a checkpointed sub-program." if result.get("checkpoint_blocks") else ""),
+             "",
              f"Command: `{result['command']}`", "",
              f"Machine: {result['machine']['cpu']}, {result['machine']['cpu_cores']} cores, "
              f"torch {result['machine']['torch']} ({result['machine']['torch_threads']} threads); load average "

@@ -50,6 +50,10 @@ Measured cost of the guard on a cold cache (a replay follows other work, as in t
 a 20-layer MLP, 200 µs for MobileNetV3-small (209 modules, 278 tensors); the guard touches every module
 it guards, so it grows with the module count, not with the batch.
 
+Activation checkpointing: each checkpointed region of a forward recorded with gradients replays as a sub-program
+called through ``torch.utils.checkpoint`` (:mod:`jvpreg.clone.checkpointed_regions`), so the program saves what a
+checkpointed forward of the doubled batch saves.
+
 Limits (each falls back to eager clone mode with a warning, never a wrong answer):
 * Python reads of tensor values that cannot be re-checked (above), or that differ on every call; custom
   ``autograd.Function`` s on plain tensors under
@@ -83,7 +87,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from . import compiled_code, functions
+from . import checkpointed_regions, compiled_code, functions
 from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
@@ -311,6 +315,17 @@ def programs(module: nn.Module) -> Dict[Any, _Program]:
     return {} if rec is None else dict(rec.programs)
 
 
+#: Hooks whose effect a replay may drop: Hugging Face's activation checkpointing registers
+#: ``make_inputs_require_grads`` (``output.requires_grad_(True)`` on the input embeddings) so that a *reentrant*
+#: checkpoint of a frozen-embedding model reaches its adapters' gradients; jvpreg runs every checkpoint
+#: non-reentrant, where every parameter's gradient flows without it.
+_DROPPABLE_HOOKS = ("enable_input_require_grads.<locals>.make_inputs_require_grads",)
+
+
+def _droppable(hook: Any) -> bool:
+    return getattr(hook, "__qualname__", "").endswith(_DROPPABLE_HOOKS)
+
+
 def _foreign_hooks(root: nn.Module, mods: List[nn.Module]) -> str:
     """Names of modules with forward hooks whose side effects a replay would lose ('' if none)."""
     from torch.nn.modules import module as module_mod
@@ -325,7 +340,7 @@ def _foreign_hooks(root: nn.Module, mods: List[nn.Module]) -> str:
         hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
         if m is root:
             hooks = [h for h in hooks if not getattr(getattr(h, "__self__", None), "_jvpreg_shared", False)]
-        if any(not isinstance(h, pure) for h in hooks):
+        if any(not (isinstance(h, pure) or _droppable(h)) for h in hooks):
             bad.append(type(m).__name__)
     return ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "")
 
@@ -512,7 +527,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     device = next((t.device for t in inputs), torch.device("cpu"))
     with _restored_state(module, device), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
-        with compiled_code.traced_through():  # a compiled function the model calls: its code
+        with compiled_code.traced_through(), checkpointed_regions.recording():  # a compiled function: its code
             gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
     _check_constants(gm, out_meta["traced_storages"])
     reads = out_meta["reads"]
@@ -531,13 +546,16 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     guard = None
     if expected:
         guard = Guard(replay_function(split(gm, len(expected), names)), expected, names)
+    attrs = _baked_attributes(gm, rec)
+    compiling = _tensor._COMPILING[0]  # compiled: never replayed, torch.compile reads the sub-programs
+    checkpointed_regions.outline(gm, (lambda sub: sub) if compiling else replay_function, torch.is_grad_enabled(),
+                                 n_in)
     keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
     spec = out_meta["spec"]
     flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
     return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
-                    out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]),
-                    attrs=_baked_attributes(gm, rec), guard=guard,
-                    replay=None if _tensor._COMPILING[0] else replay_function(gm))  # compiled: never replayed
+                    out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]), attrs=attrs, guard=guard,
+                    replay=None if compiling else replay_function(gm))
 
 
 def _storages(tensors) -> set:
@@ -611,6 +629,7 @@ def _note_grad_mode(tracer: Any) -> None:
     def create_node(*args, **kwargs):
         node = create(*args, **kwargs)
         node.meta["jvpreg_grad"] = torch.is_grad_enabled()
+        checkpointed_regions.tag(node)
         return node
 
     tracer.create_node = create_node

@@ -17,9 +17,9 @@ that of a checkpointed forward of the clone batch.
 * torch's checkpoint keeps the region's inputs and reads their metadata outside the clone forward: it is handed
   them as plain physical batches, and the recomputed function gets them back as clone batches.
 
-A captured program replays the ops without the recomputation, so it would keep every activation a checkpoint drops:
-with gradients enabled, a checkpointed region is not captured and the call runs in eager clone mode
-(:class:`jvpreg.JVPCaptureWarning` says so once); without gradients nothing is saved, and it is captured.
+While a capture records the clone forward with gradients enabled, a checkpoint runs its region inline and the
+program calls the recorded region through torch's checkpoint (:mod:`jvpreg.clone.checkpointed_regions`); without
+gradients nothing is saved, and the region is recorded inline.
 """
 from __future__ import annotations
 
@@ -32,14 +32,11 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch._C import _EnableTorchFunction
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import api, functions
+from . import api, checkpointed_regions, functions
 from .tensor import _SWAPPED_CLONES, CloneTensor, capturing, wrap
 
 _NAMES = ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
 _ORIGINALS = {name: getattr(torch_checkpoint, name) for name in _NAMES if hasattr(torch_checkpoint, name)}
-
-NOT_CAPTURED = ("activation checkpointing (torch.utils.checkpoint): a captured program would keep every activation "
-                "the checkpoint drops")
 
 
 def install() -> None:
@@ -59,11 +56,10 @@ def _routed(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def generator(fn, *args, **kwargs):
-        if capturing() and torch.is_grad_enabled():
-            from .capture import CaptureError
-
-            raise CaptureError(NOT_CAPTURED)
         bound = signature.bind(fn, *args, **kwargs)
+        if capturing() and torch.is_grad_enabled():  # recorded inline, replayed as a checkpointed sub-program
+            return checkpointed_regions.open_region({k: v for k, v in bound.arguments.items()
+                                                     if k not in ("fn", "args", "kwargs")})
         leaves, spec = tree_flatten((tuple(bound.arguments.get("args", ())), dict(bound.arguments.get("kwargs", {}))))
         marks = {}  # leaf position -> (physical shape, the clone's state flag)
         for i, leaf in enumerate(leaves):

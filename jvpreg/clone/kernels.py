@@ -340,12 +340,16 @@ def _bn_blocks_setup(ctx, inputs, output, *kept):
 
 
 def _bn_blocks_backward(ctx, grad, *_stats_grads):
-    """``out_j = out_0 + t_j(d_j, a)``: the primal block's BatchNorm backward of ``g_0 + sum_j g_j``, plus
-    :func:`_bn_tangent_backward`'s gradients of ``sum_j <g_j, t_j>``; ``dz_0 = dx_a - sum_j dL/dd_j``,
-    ``dz_j = dL/dd_j``."""
     if grad is None:
         return None, None, None, None, None, None, None
-    z, weight, mean, invstd, sum_dx, sum_d = ctx.saved_tensors[:6]
+    return _bn_blocks_grad(ctx, grad, ctx.saved_tensors)
+
+
+def _bn_blocks_grad(ctx, grad, saved):
+    """``out_j = out_0 + t_j(d_j, a)``: the primal block's BatchNorm backward of ``g_0 + sum_j g_j``, plus
+    :func:`_bn_tangent_backward`'s gradients of ``sum_j <g_j, t_j>``; ``dz_0 = dx_a - sum_j dL/dd_j``,
+    ``dz_j = dL/dd_j``. ``saved``: ``ctx.saved_tensors``, read once (a checkpoint unpacks each saved tensor once)."""
+    z, weight, mean, invstd, sum_dx, sum_d = saved[:6]
     a, eps = z[0], ctx.eps
     mask = [True, weight is not None and ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
     if torch.is_grad_enabled():  # create_graph: torch's double backward of the kernels (higher orders as in torch)
@@ -422,9 +426,8 @@ def _bn_relu_blocks_backward(ctx, grad, *_grads):
     """Relu's backward ``keep * g``, then :func:`_bn_blocks_backward`'s."""
     if grad is None:
         return None, None, None, None, None, None, None
-    keep = ctx.saved_tensors[6]
-    grad = _masked(grad, keep)
-    return _bn_blocks_backward(ctx, grad)
+    saved = ctx.saved_tensors  # read once (a checkpoint unpacks each saved tensor once)
+    return _bn_blocks_grad(ctx, _masked(grad, saved[6]), saved)
 
 
 _register_autograd(batch_norm_relu_blocks, _bn_relu_blocks_backward, _bn_relu_blocks_setup)
