@@ -296,6 +296,17 @@ class Regions(nn.Module):
 
             a, b = self.pair(x, scale=0.5)
             y = cp(gated, a + b)
+        elif self.layout == "no_grad_edges":  # a region that starts and ends under no_grad (grad-mode switches)
+            def scaled(z):
+                with torch.no_grad():
+                    s = (z * 0).sum() + 1  # 1, no tangent, no gradient
+                h = self.seq(z) / s
+                with torch.no_grad():
+                    s.mul_(1)
+                return h
+
+            a, b = self.pair(x, scale=0.5)
+            y = cp(scaled, a + b)
         else:  # "sequential"
             a, b = self.pair(x, scale=0.5)
             y = torch_checkpoint.checkpoint_sequential(self.seq, 2, a + b, use_reentrant=False)
@@ -311,7 +322,7 @@ REGION_PENALTIES = {
 
 @pytest.mark.parametrize("penalty", sorted(REGION_PENALTIES))
 @pytest.mark.parametrize("layout", ["kwargs_and_tuple", "nested", "sequential", "selective", "reentrant",
-                                    "value_read"])
+                                    "value_read", "no_grad_edges"])
 def test_nested_keyword_and_sequential_regions(layout, penalty):
     torch.manual_seed(0)
     base = Regions().to(D)
@@ -331,7 +342,8 @@ def test_nested_keyword_and_sequential_regions(layout, penalty):
     assert_equal_lists(grads(model), want, rtol=1e-12)
     # captured from the second step on: the nested region joins the outer one, checkpoint_sequential leaves the
     # last segment unchecked
-    assert region_count(model) == {"nested": 1, "sequential": 1, "kwargs_and_tuple": 1, "value_read": 1}.get(layout, 2)
+    assert region_count(model) == {"nested": 1, "sequential": 1, "kwargs_and_tuple": 1, "value_read": 1,
+                                   "no_grad_edges": 1}.get(layout, 2)
 
 
 @pytest.mark.slow
