@@ -306,7 +306,8 @@ def checkpointing(source: str, model, call, x) -> tuple:
     weight) with the model's own activation checkpointing on (timm ``set_grad_checkpointing``, Hugging Face
     ``gradient_checkpointing_enable``), eager and captured engines, each against its own step without it, in float64:
     ``(what ran, the largest gradient difference over the largest gradient)``; ``(why not, None)`` where the model
-    has no checkpointing, or where its plain forward with checkpointing already differs from the one without. Every
+    has no checkpointing, or where its plain forward with checkpointing already differs from the one without (or fails;
+    a one-sample image input is doubled, ``[x; -x]``, for train-mode BatchNorm). Every
     step draws from the same seed: stochastic depth and functional dropout made Swin, FocalNet, GhostNet and HF Swin
     differ by 0.08-0.8 before."""
     import torch
@@ -327,11 +328,16 @@ def checkpointing(source: str, model, call, x) -> tuple:
             checkpointed.gradient_checkpointing_enable()
     except Exception as err:  # noqa: BLE001  (recorded: the architecture has none)
         return f"no checkpointing in the model ({type(err).__name__})", None
+    if x.is_floating_point() and x.shape[0] == 1:  # train-mode BatchNorm needs two samples where it pools to 1x1
+        x = torch.cat([x, -x])                       # (SK attention, split attention)
     with torch.no_grad():  # a model whose checkpointed path computes something else is not jvpreg's to compare
         outs = []
         for m in (base, checkpointed):
             torch.manual_seed(0)  # the same draws for functional dropout (timm's F.dropout(p=drop_rate))
-            outs.append(call(copy.deepcopy(m))(x))
+            try:
+                outs.append(call(copy.deepcopy(m))(x))
+            except Exception as err:  # noqa: BLE001  (recorded)
+                return f"the model's plain train-mode forward fails ({type(err).__name__}): not compared", None
         diff = float((outs[0] - outs[1]).abs().max())
     if diff > 1e-10:
         return f"the model's checkpointed forward differs from its plain one (max abs {diff:.1e}): not compared", None

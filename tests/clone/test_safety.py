@@ -531,6 +531,22 @@ def test_bf16_autocast_cpu(train):
     assert rel_err(t, t_ref) <= 5e-2, f"relative error {rel_err(t, t_ref):.2e}"
 
 
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("module, shape", [(lambda: nn.BatchNorm2d(4), (1, 4, 1, 1)),
+                                           (lambda: nn.BatchNorm1d(4), (1, 4)),
+                                           (lambda: nn.GroupNorm(2, 2), (1, 2, 1))], ids=["bn2d", "bn1d", "groupnorm"])
+def test_one_value_per_channel_in_training_raises_torchs_error(module, shape, engine):
+    """A train-mode norm over one value per channel has no batch statistics: torch refuses it, and so does the clone
+    forward (its rules replace the ``F.batch_norm`` / ``F.group_norm`` call that checks it)."""
+    m = module().to(D).train()
+    x = torch.randn(shape, dtype=D)
+    with pytest.raises(ValueError) as theirs:
+        m(x)
+    with pytest.raises(ValueError) as ours:
+        jvpreg.jvp(m, (x,), (torch.randn_like(x),), engine=engine)
+    assert str(ours.value) == str(theirs.value)
+
+
 @pytest.mark.parametrize("pad", [lambda z: F.pad(z, (1, 1, 1, 1)), lambda z: torch.constant_pad_nd(z, (1, 1, 1, 1))])
 def test_a_pad_longer_than_the_input_dims_raises_torchs_error(pad):
     """On the physical ``(K, n)`` tensor a 4-entry pad of a 1-D input would pad the block dim too, and once returned a

@@ -88,6 +88,13 @@ def linearized_norm(x, out_a, xhat, rstd, red_dims: Sequence[int], weight, bias,
     return stack_blocks(out_a, tan)
 
 
+def _verify_batch_size(size) -> None:
+    """``F.batch_norm``'s check in training mode, which the rules replace: more than one value per channel."""
+    check = getattr(F, "_verify_batch_size", None)  # private in torch; absent: the statistics are NaN-free anyway
+    if check is not None:
+        check(size)
+
+
 @register_rule(F.batch_norm)
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     """Clone-BN: batch statistics from the primal block; eval mode is affine (merged batch)."""
@@ -113,6 +120,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     # The primal block is the very call a plain forward makes (bit-identical output and running statistics,
     # updated once); the tangent is batch norm's own input-gradient kernel applied to d_j. Both keep their
     # input for backward: a copy of the primal block under autograd (kept_primal).
+    _verify_batch_size(a.size())  # the error a plain call raises (one value per channel: no batch statistics)
     momentum = 0.0 if momentum is None else momentum
     if _blocks_in_one_output(input, weight, bias):
         return _batch_norm_blocks(input, w0, b0, running_mean, running_var, momentum, eps)
@@ -261,6 +269,8 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     w0, b0 = _primal(weight), _primal(bias)
     n, c = a.shape[0], a.shape[1]
     hw = math.prod(a.shape[2:])
+    if c % num_groups == 0:  # as a plain call checks (torch's own kernel reports the other case)
+        _verify_batch_size([n * c // num_groups, num_groups, *a.shape[2:]])
     if autocast_enabled(a.device.type):  # autocast's group_norm (float32) for the primal
         out_a = F.group_norm(a, num_groups, w0, b0, eps)
         a = a.to(out_a.dtype)
