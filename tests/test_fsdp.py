@@ -6,8 +6,9 @@ the unsharded run's, whose gradients are averaged over the ranks as DDP averages
 float64). JVPs are also checked against ``torch.func.jvp`` in eval mode. Also: FSDP2 mixed precision
 (bf16 parameters, fp32 reduction) against a bf16 copy; the collectives of a regularized step against
 a plain one; FSDP1 (``FullyShardedDataParallel``, what Lightning's ``FSDPStrategy`` wraps with); the
-refusals. One spawn per test (process start-up dominates the cost); an assertion failing on a rank
-fails the test with its message.
+refusals. Each ``fully_shard``-ed child's forward body is captured (``jvpreg.clone.sharded_units``): its second
+call replays, which the workers assert. One spawn per test (process start-up dominates the cost); an assertion
+failing on a rank fails the test with its message.
 """
 from __future__ import annotations
 
@@ -191,6 +192,19 @@ def _check_penalty(rank: int, net_name: str, pen_name: str) -> None:
             _close(g_s[n], g_r[n], f"{where} step {step} grad {n}")
     for (n, b_r), b_s in zip(ref.named_buffers(), sharded.buffers()):
         _close(b_s, b_r, f"{where} buffer {n}")
+    _assert_units_captured(sharded, where)
+
+
+def _assert_units_captured(sharded: nn.Module, where: str) -> None:
+    """The second step replayed each fully_shard-ed child's forward body from a captured program (the root, whose
+    forward calls the units between FSDP's hooks, runs eagerly)."""
+    from jvpreg.clone import capture
+
+    for name, unit in sharded.named_children():
+        if isinstance(unit, fsdp.FSDPModule):
+            progs = capture.programs(unit).values()
+            assert any(p.gm is not None for p in progs), f"{where}: unit {name} was not captured: " + \
+                "; ".join(p.reason for p in progs)
 
 
 def _check_jvp(rank: int, net_name: str) -> None:
@@ -203,7 +217,9 @@ def _check_jvp(rank: int, net_name: str) -> None:
     for mode in ("eval", "train"):
         ref.train(mode == "train")
         sharded.train(mode == "train")
-        y_s, t_s = jvpreg.jvp(sharded, (x,), (u,), batched_tangents=True)
+        for _ in range(2):  # the first call of a signature runs eagerly, the second records and replays
+            y_s, t_s = jvpreg.jvp(sharded, (x,), (u,), batched_tangents=True)
+        _assert_units_captured(sharded, f"{net_name} {mode} jvp")
         y_r, t_r = jvpreg.jvp(ref, (x,), (u,), batched_tangents=True)
         _close(y_s, y_r, f"{net_name} {mode} jvp output")
         _close(t_s, t_r, f"{net_name} {mode} jvp")

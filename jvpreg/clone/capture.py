@@ -58,8 +58,10 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
 * Python reads of tensor values that cannot be re-checked (above), or that differ on every call; custom
   ``autograd.Function`` s on plain tensors under
   autograd (their backward would not be replayed); modules with forward hooks other than
-  weight/spectral norm's (a hook's Python side effects would not be replayed); FSDP-managed modules
-  and DTensor parameters (their collectives belong to FSDP's hooks); a constant of the recorded program that
+  weight/spectral norm's (a hook's Python side effects would not be replayed); FSDP1-managed modules
+  and DTensor parameters (their collectives belong to FSDP's hooks: under FSDP2 the module runs eagerly around
+  each ``fully_shard``-ed unit, whose forward body is captured, :mod:`jvpreg.clone.sharded_units`); a constant
+  of the recorded program that
   shares memory with a traced tensor (an alias made where the tracer cannot see it, e.g. ``as_subclass``:
   it would replay the capturing call's values).
 * Python attributes of submodules that the forward reads (dropout ``p``, ``eps``, flags) are baked
@@ -87,7 +89,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpointed_regions, compiled_code, functions
+from . import checkpointed_regions, compiled_code, functions, sharded_units
 from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
@@ -337,6 +339,8 @@ def _foreign_hooks(root: nn.Module, mods: List[nn.Module]) -> str:
     if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
         bad.append("global forward hooks")
     for m in mods:
+        if sharded_units.is_unit(m):
+            continue  # FSDP's hooks and any other on a unit run eagerly around its captured body (sharded_units)
         hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
         if m is root:
             hooks = [h for h in hooks if not getattr(getattr(h, "__self__", None), "_jvpreg_shared", False)]
@@ -345,10 +349,14 @@ def _foreign_hooks(root: nn.Module, mods: List[nn.Module]) -> str:
     return ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "")
 
 
-def _unsupported(module: nn.Module, rec: _Record) -> str:
+#: why a module that holds FSDP units is not captured whole (each FSDP2 unit's body is: :mod:`sharded_units`)
+SHARDED = "the module is sharded by FSDP (its all-gathers run in FSDP's hooks)"
+
+
+def _unsupported(module: nn.Module, rec: _Record, hooks_outside: bool = False) -> str:
     for m in (module, *rec.modules):
-        if type(m).__name__.startswith("FSDP") or hasattr(m, "_get_fsdp_state"):
-            return "the module is sharded by FSDP (its all-gathers run in FSDP's hooks)"
+        if sharded_units.is_unit(m) and not (hooks_outside and m is module):
+            return SHARDED
         if isinstance(m, nn.SyncBatchNorm) and m.training:
             return "SyncBatchNorm gathers statistics across processes (collectives run eagerly)"
         if isinstance(m, torch.jit.ScriptModule):
@@ -694,11 +702,23 @@ def _warn_eager(module: nn.Module, reason: str) -> None:
     warnings.warn(
         f"jvpreg: the clone forward of {type(module).__name__} runs in eager clone mode (exact, but slower) "
         f"because it cannot be captured: {reason}. Pass engine='eager' to silence this warning.",
-        JVPCaptureWarning, stacklevel=4)
+        JVPCaptureWarning, stacklevel=5)
+
+
+def _run_eager(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, reason: str, engine: str) -> Any:
+    """``fn`` in eager clone mode because of ``reason``: said once by a warning, except for a module that holds FSDP
+    units, whose bodies are captured in turn (:mod:`jvpreg.clone.sharded_units`)."""
+    if reason == SHARDED and sharded_units.has_fsdp2_units(module):
+        with functions.active(), uncompiled(module), sharded_units.routed(module, engine):
+            return fn(*args, **kwargs)
+    _warn_eager(module, reason)
+    with functions.active(), uncompiled(module):
+        return fn(*args, **kwargs)
 
 
 def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engine: str = "captured",
-         fn: Optional[Callable] = None, key: Any = None, finite: Optional[bool] = None) -> Any:
+         fn: Optional[Callable] = None, key: Any = None, finite: Optional[bool] = None,
+         hooks_outside: bool = False) -> Any:
     """Run ``fn(*args, **kwargs)`` (default ``module``) as ``module``'s captured clone forward.
 
     ``args``/``kwargs`` hold clone tensors (and anything else); ``module``'s parameters may have
@@ -716,14 +736,16 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
             a new closure per call passes the same ``key`` for closures that record the same program.
         finite: ``True`` when the caller already knows that every tensor in ``args``/``kwargs`` is finite
             (:func:`jvpreg.clone.api.jvp` reads it off its scale norms); ``None``: checked here.
+        hooks_outside: ``fn`` is the body of an FSDP unit ``module``, whose hooks run around this call
+            (:mod:`jvpreg.clone.sharded_units`).
     """
     fn = module if fn is None else fn
     return _call(module, args, {} if kwargs is None else kwargs, engine, fn,
-                 id(getattr(fn, "__func__", fn)) if key is None else key, finite)
+                 id(getattr(fn, "__func__", fn)) if key is None else key, finite, hooks_outside)
 
 
 def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callable, fn_key: Any,
-          finite: Optional[bool] = None) -> Any:
+          finite: Optional[bool] = None, hooks_outside: bool = False) -> Any:
     if engine == "eager":
         with functions.active(), uncompiled(module):
             return fn(*args, **kwargs)
@@ -733,9 +755,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     else:
         rec.check_hooks(module)
     if rec.hooks:  # checked before any program: a hook registered after a capture must run too
-        _warn_eager(module, _unsupported(module, rec))
-        with functions.active(), uncompiled(module):
-            return fn(*args, **kwargs)
+        return _run_eager(module, fn, args, kwargs, _unsupported(module, rec, hooks_outside), engine)
     if not kwargs and all(type(a) is CloneTensor or type(a) is torch.Tensor for a in args):
         leaves, in_spec = list(args), len(args)  # the usual call f(x1, ..., xn): no pytree walk
     else:
@@ -753,7 +773,9 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
             if len(rec.seen) >= _MAX_SEEN:
                 rec.seen.clear()
             rec.seen[key] = calls + 1
-            with functions.active(), uncompiled(module):
+            sharded = _unsupported(module, rec, hooks_outside) == SHARDED and sharded_units.has_fsdp2_units(module)
+            with functions.active(), uncompiled(module), \
+                    sharded_units.routed(module, engine) if sharded else contextlib.nullcontext():
                 return fn(*args, **kwargs)
         rec.seen.pop(key, None)
     inputs = None
@@ -776,7 +798,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
                 prog = _capture(module, fn, in_spec, leaves, rec, slot_values, compiled)
                 base.variants.append(prog)  # one that cannot be captured: eager for the values no variant holds
     if prog is None:
-        reason = _unsupported(module, rec)
+        reason = _unsupported(module, rec, hooks_outside)
         if not reason and len(rec.programs) >= MAX_PROGRAMS:
             prog = _Program(gm=None, reason=f"more than {MAX_PROGRAMS} call signatures (shapes, modes) were seen; "
                                             "call jvpreg.clone.capture.reset(module) if they are transient")
@@ -786,9 +808,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
             prog = _capture(module, fn, in_spec, leaves, rec, slot_values, compiled)
         rec.programs[key] = prog
     if prog.gm is None:
-        _warn_eager(module, prog.reason)
-        with functions.active(), uncompiled(module):
-            return fn(*args, **kwargs)
+        return _run_eager(module, fn, args, kwargs, prog.reason, engine)
     run = prog.replay or prog.gm
     if engine == "compiled":
         if prog.compiled is None:

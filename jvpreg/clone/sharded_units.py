@@ -1,0 +1,65 @@
+"""FSDP2 in captured clone mode: each ``fully_shard``-ed module's forward body is captured, FSDP's hooks stay eager.
+
+A ``fully_shard``-ed module (an FSDP *unit*) all-gathers its parameters in a forward pre-hook and frees them in a
+post-hook; those collectives are Python side effects that a replayed program cannot hold. Between the two hooks the
+unit's ``forward`` body sees its parameters as ordinary unsharded tensors (the same ``nn.Parameter`` objects on
+every step), so that body can be captured like any module. While a clone forward of a module that contains units
+runs (in eager clone mode, :func:`jvpreg.clone.capture.call`), :func:`routed` points each unit's ``forward`` at
+:func:`_body`, which records and replays the unit's original forward with the caller's engine: the hooks run
+eagerly around it, and so do the few ops of the root that no unit holds. A unit that contains other units runs its
+own body eagerly and routes theirs. Gradients reach the unsharded parameters through ordinary autograd, which FSDP
+reduce-scatters as for any forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterator, List
+
+from torch import nn
+
+__all__ = ["is_unit", "has_fsdp2_units", "routed"]
+
+
+def is_unit(module: nn.Module) -> bool:
+    """A module sharded by FSDP (``fully_shard``, or the wrapper of FSDP1)."""
+    return type(module).__name__.startswith("FSDP") or hasattr(module, "_get_fsdp_state")
+
+
+def _fsdp2(module: nn.Module) -> bool:
+    """A ``fully_shard``-ed module (FSDP2), whose hooks wrap a body of ordinary forward code; FSDP1's wrapper has
+    its collectives in its own ``forward``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def has_fsdp2_units(module: nn.Module) -> bool:
+    """``module`` or a submodule is ``fully_shard``-ed: :func:`routed` has a body to capture."""
+    return any(_fsdp2(m) for m in module.modules())
+
+
+@contextlib.contextmanager
+def routed(module: nn.Module, engine: str) -> Iterator[None]:
+    """While it is open, every FSDP2 unit in ``module`` (itself included) runs its forward body through
+    :func:`_body` with ``engine``; a unit routed already (a nested call) keeps its route."""
+    units: List[nn.Module] = []
+    for m in module.modules():
+        if _fsdp2(m) and "forward" not in m.__dict__:
+            m.__dict__["forward"] = functools.partial(_body, m, m.forward, engine)
+            units.append(m)
+    try:
+        yield
+    finally:
+        for m in units:
+            m.__dict__.pop("forward", None)
+
+
+def _body(unit: nn.Module, forward: Any, engine: str, *args: Any, **kwargs: Any) -> Any:
+    """``unit.forward(*args, **kwargs)``, captured: called between FSDP's hooks, with the unit's parameters
+    unsharded."""
+    from .capture import call
+
+    return call(unit, args, kwargs, engine=engine, fn=forward, hooks_outside=True)
