@@ -430,8 +430,10 @@ def to_markdown(rows: list, command: str) -> str:
         "*host reads*: what reads a tensor's value on the host during a JVP (on a GPU, a synchronisation), found "
         "on the meta device, where every read raises; *the model's own forward* reads values in a plain forward "
         "too (Hugging Face's attention-mask checks). *checkpointing*: a regularized training step (train mode, "
-        "Jacobian + weight-sensitivity penalties) with the model's own activation checkpointing on, against the same "
-        "step without it: the largest gradient difference over the largest gradient (part of the verdict).",
+        "Jacobian + weight-sensitivity penalties) with the model's own activation checkpointing on, on the eager and "
+        "the captured engine, each against its own step without it: the largest gradient difference over the largest "
+        "gradient (part of the verdict), and how many checkpointed regions the captured programs replay through "
+        "`torch.utils.checkpoint` (or why that engine ran eagerly).",
         "", f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {platform.system()}, torch {torch.__version__}, CPU.  ",
         "Verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".", "",
