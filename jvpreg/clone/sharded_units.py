@@ -9,6 +9,10 @@ runs (in eager clone mode, :func:`jvpreg.clone.capture.call`), :func:`routed` po
 eagerly around it, and so do the few ops of the root that no unit holds. A unit that contains other units runs its
 own body eagerly and routes theirs. Gradients reach the unsharded parameters through ordinary autograd, which FSDP
 reduce-scatters as for any forward.
+
+FSDP's pre-forward passes a unit's inputs that need gradients through ``RegisterPostBackwardFunction`` (identity
+forward; its backward starts the unit's reduce-scatter). On clone inputs it runs on their physical batches
+(:func:`_post_backward_rule`): the backward fires once the unit's whole clone batch has its gradient.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import contextlib
 import functools
 from typing import Any, Iterator, List
 
+import torch
 from torch import nn
 
 __all__ = ["is_unit", "has_fsdp2_units", "routed"]
@@ -63,3 +68,25 @@ def _body(unit: nn.Module, forward: Any, engine: str, *args: Any, **kwargs: Any)
     from .capture import call
 
     return call(unit, args, kwargs, engine=engine, fn=forward, hooks_outside=True)
+
+
+def _post_backward_rule(args: tuple, kwargs: dict) -> tuple:
+    """``RegisterPostBackwardFunction.apply(param_group, *inputs)`` (identity): applied to the physical batches."""
+    from .functions import _orig
+    from .tensor import CloneTensor, wrap
+
+    param_group, *inputs = args
+    phys = [t.as_subclass(torch.Tensor) if type(t) is CloneTensor else t for t in inputs]
+    outs = _orig(_RegisterPostBackward, param_group, *phys, **kwargs)
+    return tuple(wrap(o, state=bool(t._jvp_state)) if type(t) is CloneTensor else o for o, t in zip(outs, inputs))
+
+
+try:  # FSDP2's Function on a unit's inputs (torch >= 2.6)
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import \
+        RegisterPostBackwardFunction as _RegisterPostBackward
+except ImportError:  # pragma: no cover - torch without FSDP2
+    _RegisterPostBackward = None
+else:
+    from .functions import register_function_rule
+
+    register_function_rule(_RegisterPostBackward)(_post_backward_rule)
