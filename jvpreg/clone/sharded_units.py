@@ -31,14 +31,16 @@ def is_unit(module: nn.Module) -> bool:
     return type(module).__name__.startswith("FSDP") or hasattr(module, "_get_fsdp_state")
 
 
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except ImportError:  # pragma: no cover - torch without FSDP2
+    _FSDPModule = ()
+
+
 def _fsdp2(module: nn.Module) -> bool:
     """A ``fully_shard``-ed module (FSDP2), whose hooks wrap a body of ordinary forward code; FSDP1's wrapper has
     its collectives in its own ``forward``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch < 2.6
-        return False
-    return isinstance(module, FSDPModule)
+    return isinstance(module, _FSDPModule)
 
 
 def has_fsdp2_units(module: nn.Module) -> bool:
