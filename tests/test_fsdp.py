@@ -57,10 +57,8 @@ def transformer() -> nn.Module:
 
 
 NETS = {"conv_bn": (conv_bn, (8, 1, 4, 4)), "transformer": (transformer, (8, 5, 6))}
-# Weight directions: every weight of the conv net; the transformer's without its LayerNorms (the
-# engine's layer_norm rule mis-broadcasts a weight direction when the input also carries k >= 2
-# tangents of a 3-d input, with or without FSDP: left to the engine's owners).
-WEIGHTS = {"conv_bn": ("*weight",), "transformer": ("0.*", "1.self_attn.*", "1.linear*", "3.*")}
+# Weight directions: every weight of the conv net; every parameter of the transformer.
+WEIGHTS = {"conv_bn": ("*weight",), "transformer": ("*",)}
 
 
 def shard(net: nn.Module, **kw) -> nn.Module:

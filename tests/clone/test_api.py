@@ -529,6 +529,35 @@ def test_jvp_params_batched_equals_separate_calls():
             torch.testing.assert_close(ts[j], t_j, rtol=RTOL, atol=1e-14)
 
 
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_jvp_params_several_tangents_through_a_transformer_block(train, engine):
+    """k = 3 directions of every weight (LayerNorms included) and of a 3-d input through a pre-norm encoder
+    block: each block j is torch.func's JVP along (u_j, U_j). The math attention kernel gives the reference."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+    model = nn.Sequential(nn.Linear(6, 16), layer, nn.Flatten(), nn.Linear(80, 3)).to(D).train(train)
+    x, k = randn(4, 5, 6), 3
+    params = dict(model.named_parameters())
+    dirs = {n: torch.randn(k, *p.shape, dtype=D) for n, p in params.items()}
+    u = torch.randn(k, *x.shape, dtype=D)
+    with fallback_mode("error"):
+        y, ts = jvpreg.jvp_params(model, (x,), dirs, (u,), batched_tangents=True, engine=engine)
+
+    def f(x_, *ps):
+        return functional_call(model, dict(zip(dirs, ps)), (x_,))
+
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)  # the fused eval kernel has no forward AD
+    try:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            want = torch.stack([torch.func.jvp(f, (x, *params.values()), (u[j], *(d[j] for d in dirs.values())))[1]
+                                for j in range(k)])
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    torch.testing.assert_close(ts, want, rtol=RTOL, atol=RTOL * want.abs().max().item())
+
+
 def test_jvp_params_has_aux_and_kwargs():
     class WithKwargs(nn.Module):
         def __init__(self):
