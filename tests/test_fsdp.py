@@ -56,9 +56,24 @@ def transformer() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), layer, nn.Flatten(), nn.Linear(80, 3))
 
 
-NETS = {"conv_bn": (conv_bn, (8, 1, 4, 4)), "transformer": (transformer, (8, 5, 6))}
+class InPlaceResidual(nn.Module):
+    """A unit's output updated in place by its caller (``h += x``): FSDP2 warns when a unit returns a view, whose
+    in-place update would drop the pre-backward hook it put there."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        h += x
+        return self.b(torch.relu(h))
+
+
+NETS = {"conv_bn": (conv_bn, (8, 1, 4, 4)), "transformer": (transformer, (8, 5, 6)),
+        "in_place_residual": (InPlaceResidual, (8, 6))}
 # Weight directions: every weight of the conv net; every parameter of the transformer.
-WEIGHTS = {"conv_bn": ("*weight",), "transformer": ("*",)}
+WEIGHTS = {"conv_bn": ("*weight",), "transformer": ("*",), "in_place_residual": ("*",)}
 
 
 def shard(net: nn.Module, **kw) -> nn.Module:
@@ -175,8 +190,12 @@ def _check_penalty(rank: int, net_name: str, pen_name: str) -> None:
         pen = make()
         for step in range(2):  # the spectral vectors and the seeded generators move on between steps
             model.zero_grad(set_to_none=True)
-            out, value = regularized_forward(model, x, pen)
-            (out.pow(2).mean() + value).backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out, value = regularized_forward(model, x, pen)
+                (out.pow(2).mean() + value).backward()
+            views = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
+            assert not views, f"{net_name}/{pen_name}: a clone output was taken for a view: {views[0]}"
             if model is ref:
                 _ddp_average(ref)
             results.append((out.detach(), value.detach(), {n: _full(p.grad).clone() for n, p in
@@ -266,7 +285,8 @@ def worker_exact(rank: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_fsdp2_penalties_and_jvps_match_unsharded_ddp():
-    """Every penalty, conv + train-mode BatchNorm and a transformer block, nested ``fully_shard``."""
+    """Every penalty, conv + train-mode BatchNorm, a transformer block and a unit output updated in place,
+    nested ``fully_shard``; no unit's clone output is taken for a view."""
     spawn("worker_exact")
 
 

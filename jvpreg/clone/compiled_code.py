@@ -1,8 +1,8 @@
 """``torch.compile``-d code called inside a clone forward runs its original code.
 
-Dynamo cannot trace a clone batch (its tensors report the primal's shape, and ``Tensor._is_view`` has no clone rule),
-so a compiled function that the model calls on one (Hugging Face's compiled flex attention, a user's compiled helper)
-would fail inside the clone forward. While a clone forward runs, Dynamo's stance is ``"force_eager"``
+Dynamo cannot trace a clone batch (its tensors report the primal's shape while holding K blocks), so a compiled
+function that the model calls on one (Hugging Face's compiled flex attention, a user's compiled helper) would fail
+inside the clone forward. While a clone forward runs, Dynamo's stance is ``"force_eager"``
 (``torch.compiler.set_stance``): every compiled function and module runs its original code, op by op through the
 clone rules, as :func:`jvpreg.clone.capture.uncompiled` does for compiled modules; and a capture (``make_fx``) that
 meets a compiled function traces its original code (``torch._dynamo.config.error_on_nested_fx_trace`` off while it

@@ -66,9 +66,17 @@ _METADATA.update(getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n))
 
 @register_handler(T._base.__get__)
 def _base(func, args, kwargs):
-    """``._base``: a clone is a view of its physical batch (FSDP2 asks before hooking a module's output);
-    the base is returned as the plain physical tensor, to be tested, not computed with."""
-    return func(args[0].as_subclass(torch.Tensor))
+    """``._base``: ``None`` for a clone that stands for an op's own result (:func:`~jvpreg.clone.tensor._claim`),
+    else the base of its storage: the clone is a view, as the plain op's result is (FSDP2 asks before hooking a
+    module's output). The base is returned to be tested, not computed with."""
+    x = args[0]
+    return None if x._jvp_owns else func(x)
+
+
+@register_handler(T._is_view)
+def _is_view(func, args, kwargs):
+    """``._is_view()``: whether :func:`_base` reports a base."""
+    return not args[0]._jvp_owns and args[0]._base is not None
 
 
 @register_handler(T.__hash__)
@@ -112,14 +120,32 @@ register_handler(
 
 @register_handler(T.register_hook, T.retain_grad)
 def _on_self(func, args, kwargs):
-    """Gradient hooks go on the clone itself, the tensor later ops consume: on an alias of it (what
-    ``_on_phys`` builds) they never fire (FSDP2 unshards a layer's parameters for backward from such
-    a hook). The hook receives the gradient of the physical ``(K, *L)`` batch."""
+    """Gradient hooks go where the clone's gradient arrives, never on a new alias of it (what ``_on_phys``
+    builds), which no gradient reaches (FSDP2 unshards a layer's parameters for backward from such a hook).
+
+    A clone that stands for an op's own result (:func:`~jvpreg.clone.tensor._claim`) is hooked on the base of its
+    storage: its gradient is the clone's, and an in-place update of the clone (``h += x``) keeps the hook, as it
+    does on the plain result of a plain op; on the clone, an autograd alias, the update would regenerate its
+    ``grad_fn`` and drop the hook. A clone that is a view is hooked itself, as torch hooks a view. The hook receives
+    the gradient of the physical ``(K, *L)`` batch. ``retain_grad`` stays on the clone, whose ``.grad`` the caller
+    reads."""
     if tensor_module._CAPTURING[0] is not None:
         from .capture import CaptureError
 
         raise CaptureError("the forward registers a gradient hook (it would not be replayed)")
-    return func(*args, **kwargs)
+    x = args[0]
+    if func is not T.register_hook or not x._jvp_owns or x._base is None:
+        return func(*args, **kwargs)
+    base, hook = x._base, (args[1] if len(args) > 1 else kwargs["hook"])
+    if base.shape == x.shape:
+        return func(base, hook)
+    shape, base_shape = x.shape, base.shape  # the rule computed the batch in another shape
+
+    def reshaped(grad: torch.Tensor) -> Any:
+        new = hook(grad.view(shape))
+        return None if new is None else new.reshape(base_shape)
+
+    return func(base, reshaped)
 
 
 @register_handler(T.real.__get__, T.imag.__get__)

@@ -34,6 +34,7 @@ class CloneTensor(torch.Tensor):
     """
 
     _jvp_state: bool = False
+    _jvp_owns: bool = False  # the first clone over all of its storage's base (see wrap): not a view, to autograd
     _jvp_routed: bool = False  # output of a custom autograd.Function routed by jvpreg.clone.functions
 
     @classmethod
@@ -179,15 +180,49 @@ def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:
     if type(phys) is CloneTensor:
         with DisableTorchFunctionSubclass():
             out = torch.Tensor.as_subclass(phys, CloneTensor)
+            _claim(out, phys)
             if _CAPTURING[0] is not None:
                 phys = _tracked_phys(phys)
     else:
         out = phys.as_subclass(CloneTensor)
+        _claim(out, phys)
     if state:
         out._jvp_state = True
     if _CAPTURING[0] is not None:
         track(out, phys)
     return out
+
+
+def _claim(out: CloneTensor, phys: torch.Tensor) -> None:
+    """``out`` owns the base of ``phys``'s storage if it covers all of it and no clone owned it before.
+
+    A clone is an autograd alias of its physical batch, so autograd takes every clone for a view. The owner stands
+    for the op's own result, a tensor of its own (``._base`` is ``None``; its gradient hooks go on the base, where
+    they survive an in-place update: :mod:`jvpreg.clone.structural`); a later clone over the same base (a view op
+    on the owner, ``x.view(-1)``) is a view of it, as the plain op's result is. Called with the subclass' torch
+    function off."""
+    base = phys._base
+    if base is None:
+        base = phys
+    if "_jvp_owned" not in base.__dict__ and covers(phys, base):
+        base._jvp_owned = True
+        out._jvp_owns = True
+
+
+def covers(x: torch.Tensor, base: torch.Tensor) -> bool:
+    """``x`` aliases every element of ``base``, each once, in order: the same layout, or both contiguous from the
+    same start (a batch a rule computed in another shape and reshaped). A view without storage (under a
+    ``torch.func`` transform) covers nothing."""
+    if x is base:
+        return True
+    try:
+        if x.data_ptr() != base.data_ptr() or x.numel() != base.numel():
+            return False
+    except RuntimeError:
+        return False
+    if x.shape == base.shape and x.stride() == base.stride():
+        return True
+    return x.is_contiguous() and base.is_contiguous()
 
 
 def raw(x: torch.Tensor) -> torch.Tensor:
