@@ -97,6 +97,8 @@ def _on_phys(func, args, kwargs):
     out = func(phys, *args[1:], **kwargs)
     if out is None:
         return None
+    if out is phys:  # nothing to do (``x.contiguous()``, ``x.to(x.dtype)``): the op returns ``x`` itself, as in torch
+        return x
     if not x._jvp_state and type(out) is torch.Tensor and out.dtype == torch.float16 != phys.dtype:
         _check_fits_float16(phys, out)
     return wrap_tree(out, lambda t: wrap(t, state=x._jvp_state))
