@@ -116,7 +116,7 @@ def _check_fits_float16(phys: torch.Tensor, out: torch.Tensor) -> None:
 
 register_handler(
     T.to, T.float, T.double, T.half, T.bfloat16, T.cpu, maybe(T, "cuda"), T.type, T.contiguous,
-    T.clone, torch.clone, T.requires_grad_, maybe(T, "pin_memory"),
+    T.clone, torch.clone, maybe(T, "pin_memory"),
 )(_on_phys)
 
 
@@ -144,10 +144,18 @@ def _on_self(func, args, kwargs):
     shape, base_shape = x.shape, base.shape  # the rule computed the batch in another shape
 
     def reshaped(grad: torch.Tensor) -> Any:
-        new = hook(grad.view(shape))
+        new = hook(grad.reshape(shape))
         return None if new is None else new.reshape(base_shape)
 
     return func(base, reshaped)
+
+
+@register_handler(T.requires_grad_)
+def _requires_grad_(func, args, kwargs):
+    """``x.requires_grad_()`` sets the flag on the clone itself and returns it, as torch does (on an alias of it,
+    the flag would not reach ``x``)."""
+    func(*args, **kwargs)
+    return args[0]
 
 
 @register_handler(T.real.__get__, T.imag.__get__)

@@ -138,6 +138,53 @@ def test_hooks_on_a_result_and_on_a_view_of_it_receive_what_plain_hooks_receive(
         assert g[1].abs().max() == 0, name
 
 
+def test_a_hook_on_a_batch_a_rule_computed_in_another_shape_sees_the_batch_shape():
+    """A rule that computes its batch as a reshape of a 2-d result (torch 2.11's linear on 3-d inputs): the hook, put
+    on that 2-d base, receives and returns the gradient in the batch's ``(K, *L)`` shape, and what it returns is the
+    gradient that flows on."""
+    from jvpreg.clone.tensor import raw, wrap
+
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+    xc, s = packed(torch.randn(2, 3, dtype=D))
+    seen = []
+
+    def f(z, scale_grad):
+        flat = raw(z @ w).reshape(-1, 3) * 2  # (K*2, 3), a result of its own
+        y = wrap(flat.view(2, 2, 3))
+        if scale_grad:
+            y.register_hook(lambda g: seen.append(tuple(g.shape)) or 3 * g)
+        return y * 1.0
+
+    grads = []
+    for scale_grad in (False, True):
+        w.grad = None
+        out, _ = jvpreg.clone.unpack(jvpreg.clone.call(lambda z: f(z, scale_grad), (xc,), engine="eager"), s)
+        out.sum().backward()
+        grads.append(w.grad.clone())
+    assert seen == [(2, 2, 3)]
+    torch.testing.assert_close(grads[1], 3 * grads[0], rtol=1e-14, atol=0)
+
+
+def test_requires_grad_on_a_clone_sets_its_own_flag_and_returns_it():
+    """``z.requires_grad_()`` on a clone that needs no gradient, as torch: the flag is ``z``'s, the return value is
+    ``z``, and the gradient reaches it."""
+    x = torch.randn(2, 3, dtype=D)
+    xc, s = packed(x)
+    seen = []
+
+    def f(z):
+        r = z.requires_grad_()
+        seen.append((r is z, z.requires_grad))
+        return 2 * z
+
+    out, _ = jvpreg.clone.unpack(jvpreg.clone.call(f, (xc,), engine="eager"), s)
+    out.sum().backward()
+    assert seen == [(True, True)]
+    with torch._C.DisableTorchFunctionSubclass():
+        grad = xc.grad
+    torch.testing.assert_close(grad[0], torch.full((2, 3), 2.0, dtype=D), rtol=0, atol=0)
+
+
 def test_retain_grad_stays_on_the_clone():
     w = torch.randn(3, 3, dtype=D, requires_grad=True)
     xc, s = packed(torch.randn(2, 3, dtype=D))
