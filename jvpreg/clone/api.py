@@ -103,10 +103,11 @@ def device_scales(pairs: Sequence[tuple], k: int, ratio: float) -> torch.Tensor:
 def _power_of_two(ratio: float, nx: float, nu: float, top: int) -> float:
     """``2^round(log2(ratio nx / nu))``, in logs (a tangent 1e-30 times the primal's size would overflow the
     quotient), kept representable in the primal's dtype (:func:`_clamp_exponent`); 1 where ``nu`` is 0 or not
-    finite."""
+    finite. ``nx`` may be infinite (the norm of entries near the dtype's maximum overflows): the largest scale."""
     if not 0 < nu < math.inf:
         return 1.0
-    return 2.0 ** _clamp_exponent(round(math.log2(ratio) + math.log2(nx) - math.log2(nu)), top)
+    e = math.log2(ratio) + math.log2(nx) - math.log2(nu)
+    return 2.0 ** _clamp_exponent(round(e) if e < math.inf else top + 1, top)
 
 
 def _clamp_exponent(e, top: int):

@@ -58,7 +58,10 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
 * Python reads of tensor values that cannot be re-checked (above), or that differ on every call; custom
   ``autograd.Function`` s on plain tensors under
   autograd (their backward would not be replayed); modules with forward hooks other than
-  weight/spectral norm's (a hook's Python side effects would not be replayed); FSDP1-managed modules
+  weight/spectral norm's (a hook's Python side effects would not be replayed); Python that seeds or sets the random
+  number generators inside the forward (``torch.manual_seed``, ``fork_rng``: a replay would draw other dropout
+  masks; where the forward draws random numbers, the capture runs the program once more and compares the
+  generators' states with the forward's); FSDP1-managed modules
   and DTensor parameters (their collectives belong to FSDP's hooks: under FSDP2 the module runs eagerly around
   each ``fully_shard``-ed unit, whose forward body is captured, :mod:`jvpreg.clone.sharded_units`); a constant
   of the recorded program that
@@ -533,10 +536,13 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     inputs = [c.requires_grad_(leaves[i].requires_grad) for c, i in zip(copies, clone_pos)]
     inputs += [_phys(slot_values[j]) for j in slot_pos]
     device = next((t.device for t in inputs), torch.device("cpu"))
+    rng_before = _rng_states(device)
     with _restored_state(module, device), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         with compiled_code.traced_through(), checkpointed_regions.recording():  # a compiled function: its code
             gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
+        rng_traced = _rng_states(device)
+    draws = any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
     _check_constants(gm, out_meta["traced_storages"])
     reads = out_meta["reads"]
     expected = [("value", v) for v in reads.values]
@@ -561,9 +567,44 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
     spec = out_meta["spec"]
     flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
+    replay = None if compiling else replay_function(gm)
+    if not compiling and (draws or not _same_rng(rng_traced, rng_before)):
+        _check_rng_replayed(module, replay, leaves, clone_pos, slot_values, slot_pos, device, rng_traced)
     return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
                     out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]), attrs=attrs, guard=guard,
-                    replay=None if compiling else replay_function(gm))
+                    replay=replay)
+
+
+def _rng_states(device: torch.device) -> Tuple[torch.Tensor, ...]:
+    """The default generators' states that a forward on ``device`` may draw from (the CPU's, and the device's)."""
+    states = (torch.get_rng_state(),)
+    if device.type == "cuda":
+        states += (torch.cuda.get_rng_state(device),)
+    return states
+
+
+def _same_rng(a: Tuple[torch.Tensor, ...], b: Tuple[torch.Tensor, ...]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _check_rng_replayed(module: nn.Module, replay: Callable, leaves: List[Any], clone_pos: List[int],
+                        slot_values: List[Any], slot_pos: List[int], device: torch.device,
+                        rng_traced: Tuple[torch.Tensor, ...]) -> None:
+    """The traced forward drew random numbers or moved the random number generators: run the program once from the
+    same state (buffers and generators restored afterwards) and require it to leave them where the forward did.
+    Python that seeds or sets them (``torch.manual_seed``, ``torch.set_rng_state``, ``torch.random.fork_rng``)
+    inside the forward is not part of the program: its replays would draw other dropout masks than the forward
+    does, or leave the generators elsewhere, so such a forward runs in eager clone mode."""
+    with torch.no_grad():
+        inputs = [_phys(leaves[i]).clone() for i in clone_pos] + [_phys(slot_values[j]) for j in slot_pos]
+    with _restored_state(module, device), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", category=UserWarning)
+        replay(*inputs)
+        replayed = _rng_states(device)
+    if not _same_rng(replayed, rng_traced):
+        raise CaptureError("its Python code seeds or sets the random number generator inside the forward "
+                           "(torch.manual_seed, torch.set_rng_state, torch.random.fork_rng), which a captured "
+                           "program does not replay: its random ops (dropout) would draw other numbers")
 
 
 def _storages(tensors) -> set:

@@ -25,12 +25,17 @@ values at ``x + h v``, Richardson-extrapolated central differences) decides, sin
 is wrong for some ops (batch and layer norm). A wrong gradient is a ``mismatch``; an exception from the
 backward a ``crash`` (an :class:`UnsupportedOpError` there: an ``error``).
 
+``engine="captured"`` (:func:`run_case`, :func:`run_op`) runs the same cases through the captured engine: the op
+wrapped in a module, recorded into a program and replayed, so the program's passes and its replay are swept as the
+rules are; ``Result.capture`` says whether the case was captured or ran eagerly, and why.
+
 Used by ``tests/clone/test_opinfo_sweep.py`` and ``scripts/coverage_table.py`` (the op database needs ``expecttest``);
 :func:`check` runs the same comparison on any function, for a rule of your own.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import warnings
@@ -107,6 +112,7 @@ class Result:
     kind: str          # rule | fallback | error | skip | mismatch | crash
     detail: str = ""
     fallbacks: tuple = ()
+    capture: str = ""  # engine="captured": "captured", or "eager: <why the capture fell back>"
 
 
 def sweep_ops() -> list:
@@ -213,9 +219,10 @@ def mismatch(got, want, ref_primal, what: str) -> str:
     return ""
 
 
-def run_case(case: Case, u: torch.Tensor | None = None) -> Result:
-    """Run one case and classify it (see module docstring); ``u``: the tangent (a seeded random one by default)."""
-    import jvpreg
+def run_case(case: Case, u: torch.Tensor | None = None, engine: str = "eager") -> Result:
+    """Run one case and classify it (see module docstring); ``u``: the tangent (a seeded random one by default);
+    ``engine``: ``"eager"`` (the op's rules dispatched one by one) or ``"captured"`` (the op wrapped in a module and
+    run as the captured program the callbacks replay: :func:`_as_module`)."""
     from .dispatch import UnsupportedOpError, record_fallbacks
 
     x = case.primal
@@ -231,7 +238,7 @@ def run_case(case: Case, u: torch.Tensor | None = None) -> Result:
         with warnings.catch_warnings(), record_fallbacks() as seen:
             warnings.simplefilter("ignore")
             torch.manual_seed(0)
-            y, t = jvpreg.jvp(case.fn, (x.clone(),), (u,))
+            y, t = _ours(case.fn, x.clone(), u, engine)
     except UnsupportedOpError as err:
         return Result(case, "error", str(err).split(". ")[0][:200])
     except Exception as err:
@@ -241,18 +248,19 @@ def run_case(case: Case, u: torch.Tensor | None = None) -> Result:
         where = next((f"{fr.filename.split('jvpreg/')[-1]}:{fr.lineno}" for fr in reversed(tb)
                       if "jvpreg/clone" in fr.filename), "?")
         return Result(case, "crash", f"{type(err).__name__} at {where}: {str(err)[:200]}")
+    note = LAST_CAPTURE[0] if engine != "eager" else ""
     bad = mismatch(y, ref_y, ref_y, "primal") or mismatch(t, ref_t, ref_y, "tangent")
     if bad:
-        return Result(case, "mismatch", bad, tuple(seen))
+        return Result(case, "mismatch", bad, tuple(seen), note)
     try:
-        bad = gradient_mismatch(case.fn, x, u, ref_y, ref_t, case.forward_ad, case.ref_fn)
+        bad = gradient_mismatch(case.fn, x, u, ref_y, ref_t, case.forward_ad, case.ref_fn, engine)
     except UnsupportedOpError as err:
-        return Result(case, "error", "backward: " + str(err).split(". ")[0][:200])
+        return Result(case, "error", "backward: " + str(err).split(". ")[0][:200], capture=note)
     except Exception as err:
-        return Result(case, "crash", f"backward: {type(err).__name__}: {str(err)[:200]}")
+        return Result(case, "crash", f"backward: {type(err).__name__}: {str(err)[:200]}", capture=note)
     if bad:
-        return Result(case, "mismatch", bad, tuple(seen))
-    return Result(case, "fallback" if seen else "rule", "", tuple(sorted(set(seen))))
+        return Result(case, "mismatch", bad, tuple(seen), note)
+    return Result(case, "fallback" if seen else "rule", "", tuple(sorted(set(seen))), note)
 
 
 def _float_leaves(tree) -> list:
@@ -285,12 +293,37 @@ def _grads(run: tuple, weights) -> list:
     return [torch.zeros_like(v) if g is None else g for g, v in zip(grads, (xr, ur))]
 
 
-def _ours(fn, x, u):
+class _AsModule(torch.nn.Module):
+    """A function as a module's forward: what the captured engine records (it captures modules, not functions)."""
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+#: what the last captured run of :func:`_ours` did: ``"captured"``, or ``"eager: <the capture's reason>"``
+LAST_CAPTURE: list = [""]
+
+
+def _ours(fn, x, u, engine: str = "eager"):
+    """``jvpreg.jvp(fn, (x,), (u,))``; with ``engine="captured"`` through a fresh module (a fresh capture), whose
+    outcome :data:`LAST_CAPTURE` records."""
     import jvpreg
+    from . import capture
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return jvpreg.jvp(fn, (x,), (u,))
+        if engine == "eager":
+            return jvpreg.jvp(fn, (x,), (u,))
+        module = _AsModule(fn)
+        out = jvpreg.jvp(module, (x,), (u,), engine=engine)
+        progs = list(capture.programs(module).values())
+        LAST_CAPTURE[0] = next(("eager: " + p.reason for p in progs if p.gm is None), "captured" if progs else
+                               "eager: no program")
+        return out
 
 
 def _torch_func(fn, x, u):
@@ -302,9 +335,9 @@ def _torch_reverse(fn, x, u):
 
 
 def gradient_mismatch(fn: Callable, x: torch.Tensor, u: torch.Tensor, ref_y, ref_t, forward_ad: bool = True,
-                      ref_fn: Callable | None = None) -> str:
+                      ref_fn: Callable | None = None, engine: str = "eager") -> str:
     """"" (close, or nothing to compare) or a description of a wrong gradient; see the module docstring
-    (``ref_fn``: the references' function, where it is not ``fn``)."""
+    (``ref_fn``: the references' function, where it is not ``fn``; ``engine``: ours, as in :func:`run_case`)."""
     ref_fn = fn if ref_fn is None else ref_fn
     if not _is_float(x) or x.is_complex() or x.numel() == 0 or not bool(torch.isfinite(x).all()):
         return ""
@@ -327,7 +360,7 @@ def gradient_mismatch(fn: Callable, x: torch.Tensor, u: torch.Tensor, ref_y, ref
     except Exception:  # no reverse-over-forward in torch: the finite differences alone decide
         ref = None
     try:
-        ours = _grads(_differentiable_run(_ours, fn, x, u), weights)
+        ours = _grads(_differentiable_run(functools.partial(_ours, engine=engine), fn, x, u), weights)
     except Exception:
         if ref is None:  # torch cannot differentiate this JVP either (a target, a class weight, a sparse grad)
             return ""
@@ -373,13 +406,13 @@ def check(fn: Callable, x: torch.Tensor, u: torch.Tensor | None = None) -> str:
     return "" if result.kind in ("rule", "fallback") else f"{result.kind}: {result.detail}"
 
 
-def run_op(op, n_samples: int = N_SAMPLES) -> list:
+def run_op(op, n_samples: int = N_SAMPLES, engine: str = "eager") -> list:
     """Every case of one OpInfo; a failure to build the samples is a ``skip`` of the whole op."""
     try:
         cs = list(cases(op, n_samples))
     except Exception as err:  # pragma: no cover - depends on the torch version
         return [Result(Case(op.name, "", -1, -1, None, None), "skip", f"samples failed: {err}")]
-    return [run_case(c) for c in cs]
+    return [run_case(c, engine=engine) for c in cs]
 
 
 # ----------------------------------------------------------------------------- float32 precision

@@ -231,6 +231,17 @@ def test_a_representable_scale_is_not_clamped():
     assert s.tolist() == [2.0 ** 15] and torch.equal(device_scales([(x, us)], 1, 4.0), s)
 
 
+def test_a_primal_whose_norm_overflows_gets_the_largest_scale():
+    """Entries near float64's maximum: their norm overflows to inf, and the scale is the largest one the dtype holds
+    (as on a device) instead of an ``OverflowError`` (found by the captured OpInfo sweep, on hypot's extreme sample)."""
+    from jvpreg.clone.api import _R_DEFAULT, SCALE_MARGIN, _choose_scales, _max_exponent, device_scales
+
+    x, us = torch.full((4,), 1.5e308, dtype=torch.float64), torch.ones(1, 4, dtype=torch.float64)
+    s, finite = _choose_scales([(x, us)], 1)
+    assert s.tolist() == [2.0 ** (_max_exponent(torch.float64) - SCALE_MARGIN)] and finite is False
+    assert torch.equal(device_scales([(x, us)], 1, _R_DEFAULT), s)
+
+
 def test_device_scale_choice_equals_the_cpu_one():
     """:func:`device_scales` (kernels, no host sync) on CPU tensors: the CPU choice, extreme tangents included."""
     from jvpreg.clone.api import _R_DEFAULT, _choose_scales, device_scales

@@ -365,6 +365,61 @@ def test_dropout_one_mask_for_all_blocks_and_fresh_masks_per_call():
     assert not torch.equal(y2, y_c)  # a new mask on the next call
 
 
+class _SeededDropout(nn.Module):
+    """Dropout under a seed of its own, as OpInfo's ``wrapper_set_seed`` runs its random ops: Python that a
+    captured program does not replay."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(6, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.how == "fork_rng":  # the generators come back as they were: the draws leave no trace in the state
+            with torch.random.fork_rng():
+                torch.manual_seed(42)
+                return torch.nn.functional.dropout(h, 0.5)
+        torch.manual_seed(42)
+        return torch.nn.functional.dropout(h, 0.5)
+
+
+@pytest.mark.parametrize("how", ["fork_rng", "manual_seed"])
+def test_forward_that_seeds_the_generator_runs_eagerly_with_the_same_masks(how):
+    """A program replays the random ops, not Python's seeding: the capture runs it once and compares the generators'
+    states; the forward then runs in eager clone mode (same masks, same generator state after the call as eager),
+    where a replay drew other masks (OpInfo's SDPA with dropout: wrong primal by the captured sweep)."""
+    capture._WARNED.clear()
+    model = _SeededDropout(how).to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    torch.manual_seed(3)
+    y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(3)
+    with pytest.warns(JVPCaptureWarning, match="seeds or sets the random number generator"):
+        y_c, t_c = jvpreg.jvp(model, (x,), (u,), engine="captured")
+    assert torch.equal(torch.get_rng_state(), after_eager)
+    torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+    torch.testing.assert_close(t_c, t_e, rtol=0, atol=0)
+    assert all(p.gm is None for p in capture.programs(model).values())
+
+
+def test_dropout_program_is_checked_once_and_kept():
+    """The generator check at capture keeps a plain dropout forward captured, and leaves the caller's generator where
+    an eager call leaves it."""
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3)).to(D).train()
+    x, u = randn(4, 6), randn(4, 6)
+    torch.manual_seed(5)
+    y_e, _ = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JVPCaptureWarning)
+        y_c, _ = jvpreg.jvp(model, (x,), (u,), engine="captured")
+    assert torch.equal(torch.get_rng_state(), after_eager)
+    torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+    assert [p.gm is not None for p in capture.programs(model).values()] == [True]
+
+
 def test_jvp_params_captured_equals_eager():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 2)).to(D)

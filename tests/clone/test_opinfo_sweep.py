@@ -90,6 +90,33 @@ def test_opinfo_exact_or_clear_error(op):
     assert not bad, "\n".join(f"{r.kind} {r.case.id}: {r.detail}" for r in bad)
 
 
+# The captured engine (what the callbacks and jvpreg.jvp on modules replay) on the same cases: each op wrapped in a
+# module and recorded into a program, whose passes and replay must stay exact. A forward it cannot capture (an op
+# without a rule takes the fallback, which runs eagerly only) runs eagerly: exact, and counted (``Result.capture``),
+# so that an op with a rule must be captured in at least one case: the test cannot pass by never capturing.
+# The quick run: the rule families of QUICK (the fallback-only ops there run eagerly), 20 samples each (the
+# first are often 0-d; SDPA's first captured case is its 17th); all N_SAMPLES with --slow
+QUICK_CAPTURED = QUICK - {"cdist", "scatter_reduce.prod", "half", "nn.functional.linear_cross_entropy.chunked"}
+QUICK_CAPTURED_SAMPLES = 20
+
+
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in QUICK_CAPTURED else
+                                             pytest.mark.slow) for o in OPS])
+def test_opinfo_captured_exact_or_clear_error(op, request):
+    key = _key(op)
+    n = sweep.N_SAMPLES if request.config.getoption("--slow") else QUICK_CAPTURED_SAMPLES
+    results = sweep.run_op(op, n_samples=n, engine="captured")
+    bad = _failures(results)
+    if key in XFAIL and XFAIL_CAUSE.get(key, lambda _: True)(op):
+        assert bad or XFAIL[key].startswith("flaky:") or n < sweep.N_SAMPLES, \
+            f"{key} passes now: remove it from XFAIL ({XFAIL[key]})"
+        pytest.xfail(XFAIL[key])
+    assert not bad, "\n".join(f"{r.kind} {r.case.id} ({r.capture}): {r.detail}" for r in bad)
+    if any(r.kind == "rule" for r in results):
+        assert any(r.capture == "captured" for r in results if r.kind in ("rule", "fallback")), \
+            f"{key}: no case was captured: {sorted({r.capture for r in results})}"
+
+
 def test_sweep_detects_a_wrong_rule_and_a_crash():
     """The classifier itself: a deliberately wrong rule is a mismatch, a broken one a crash."""
     op = next(o for o in OPS if o.name == "sinh")
