@@ -221,8 +221,9 @@ def mismatch(got, want, ref_primal, what: str) -> str:
 
 def run_case(case: Case, u: torch.Tensor | None = None, engine: str = "eager") -> Result:
     """Run one case and classify it (see module docstring); ``u``: the tangent (a seeded random one by default);
-    ``engine``: ``"eager"`` (the op's rules dispatched one by one) or ``"captured"`` (the op wrapped in a module and
-    run as the captured program the callbacks replay: :func:`_as_module`)."""
+    ``engine``: ``"eager"`` (the op's rules dispatched one by one), ``"captured"`` (the op wrapped in a module and
+    run as the captured program the callbacks replay, then replayed on other values: :func:`_replay_mismatch`) or
+    ``"compiled"`` (the same program under ``torch.compile``; seconds per case)."""
     from .dispatch import UnsupportedOpError, record_fallbacks
 
     x = case.primal
@@ -234,11 +235,12 @@ def run_case(case: Case, u: torch.Tensor | None = None, engine: str = "eager") -
         return Result(case, "skip", f"reference failed: {type(err).__name__}: {str(err)[:120]}")
     if case.op in RANDOM_OPS:
         return Result(case, "skip", "random op")
+    module = None if engine == "eager" else _AsModule(case.fn)
     try:
         with warnings.catch_warnings(), record_fallbacks() as seen:
             warnings.simplefilter("ignore")
             torch.manual_seed(0)
-            y, t = _ours(case.fn, x.clone(), u, engine)
+            y, t = _ours(case.fn, x.clone(), u, engine, module)
     except UnsupportedOpError as err:
         return Result(case, "error", str(err).split(". ")[0][:200])
     except Exception as err:
@@ -250,6 +252,13 @@ def run_case(case: Case, u: torch.Tensor | None = None, engine: str = "eager") -
         return Result(case, "crash", f"{type(err).__name__} at {where}: {str(err)[:200]}")
     note = LAST_CAPTURE[0] if engine != "eager" else ""
     bad = mismatch(y, ref_y, ref_y, "primal") or mismatch(t, ref_t, ref_y, "tangent")
+    if not bad and note == "captured":
+        try:
+            bad = _replay_mismatch(case, module, x, u, engine)
+        except UnsupportedOpError as err:
+            return Result(case, "error", "replay: " + str(err).split(". ")[0][:200], capture=note)
+        except Exception as err:
+            return Result(case, "crash", f"replay: {type(err).__name__}: {str(err)[:200]}", capture=note)
     if bad:
         return Result(case, "mismatch", bad, tuple(seen), note)
     try:
@@ -308,9 +317,9 @@ class _AsModule(torch.nn.Module):
 LAST_CAPTURE: list = [""]
 
 
-def _ours(fn, x, u, engine: str = "eager"):
-    """``jvpreg.jvp(fn, (x,), (u,))``; with ``engine="captured"`` through a fresh module (a fresh capture), whose
-    outcome :data:`LAST_CAPTURE` records."""
+def _ours(fn, x, u, engine: str = "eager", module: torch.nn.Module | None = None):
+    """``jvpreg.jvp(fn, (x,), (u,))``; with another engine (``"captured"``, ``"compiled"``) through ``module``
+    (default: a fresh one, so a fresh capture), whose outcome :data:`LAST_CAPTURE` records."""
     import jvpreg
     from . import capture
 
@@ -318,7 +327,7 @@ def _ours(fn, x, u, engine: str = "eager"):
         warnings.simplefilter("ignore")
         if engine == "eager":
             return jvpreg.jvp(fn, (x,), (u,))
-        module = _AsModule(fn)
+        module = _AsModule(fn) if module is None else module
         out = jvpreg.jvp(module, (x,), (u,), engine=engine)
         progs = list(capture.programs(module).values())
         LAST_CAPTURE[0] = next(("eager: " + p.reason for p in progs if p.gm is None), "captured" if progs else
@@ -332,6 +341,31 @@ def _torch_func(fn, x, u):
 
 def _torch_reverse(fn, x, u):
     return _double_vjp(fn, x, u, create_graph=True)
+
+
+def _replay_mismatch(case: Case, module: torch.nn.Module, x: torch.Tensor, u: torch.Tensor,
+                     engine: str = "captured") -> str:
+    """"" or a difference of the captured program, replayed on other values of ``x``, from the reference there: a
+    value the capture baked into the program, or a guard that missed a read whose value changed, shows here. The
+    other values: ``x (1 + n_1 / 10) + std(x) n_2 / 10`` (small entries change sign; non-finite ones are kept, so the
+    call's signature is the same and the program replays or records a variant for the new values)."""
+    if not _is_float(x) or x.numel() == 0:
+        return ""
+    g = torch.Generator().manual_seed(3)
+    real = x.real if x.is_complex() else x
+    fin = torch.isfinite(real) if not x.is_complex() else torch.isfinite(x.real) & torch.isfinite(x.imag)
+    spread = float(real[fin].std()) if int(fin.sum()) > 1 else 1.0
+    noise = [torch.randn(x.shape, dtype=real.dtype, generator=g) for _ in range(2)]
+    x2 = torch.where(fin, x * (1 + noise[0] / 10) + (spread if math.isfinite(spread) else 1.0) * noise[1] / 10, x)
+    try:
+        torch.manual_seed(0)
+        ref_y, ref_t = reference(case.reference_fn, x2.clone(), u, case.forward_ad)
+    except Exception:  # the reference refuses the new values (a domain): nothing to compare with
+        return ""
+    torch.manual_seed(0)
+    y, t = _ours(case.fn, x2.clone(), u, engine, module)
+    return mismatch(y, ref_y, ref_y, "replay on other values: primal") or \
+        mismatch(t, ref_t, ref_y, "replay on other values: tangent")
 
 
 def gradient_mismatch(fn: Callable, x: torch.Tensor, u: torch.Tensor, ref_y, ref_t, forward_ad: bool = True,

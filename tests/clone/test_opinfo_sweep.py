@@ -151,6 +151,24 @@ def test_sweep_detects_a_wrong_gradient():
     assert sweep.run_case(case).kind in ("rule", "fallback")
 
 
+def _scaled_by_its_largest_entry(x):
+    """Python reads a value (``.item()``): a program holds it for one value, and its guard re-checks it."""
+    return x * x.abs().max().item()
+
+
+def test_captured_sweep_replays_on_other_values_and_detects_an_unguarded_read(monkeypatch):
+    """The captured sweep replays each program on other values of the input: a value read by Python that the
+    program replayed without its guard (here: every guard taken as holding) is a mismatch there."""
+    from jvpreg.clone import capture
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    case = sweep.Case("scaled", "", 0, 0, _scaled_by_its_largest_entry, x)
+    assert sweep.run_case(case, engine="captured").kind == "rule"
+    monkeypatch.setattr(capture, "_matching", lambda base, inputs: (base, None))
+    result = sweep.run_case(case, engine="captured")
+    assert result.kind == "mismatch" and "replay on other values" in result.detail, result
+
+
 # float32: the ops in XFAIL fail for the same reasons (hypot's entries at the float64 maximum; max_unpool2d's colliding
 # indices, nondeterministic)
 F32_XFAIL = {"hypot", "nn.functional.max_unpool2d"}
