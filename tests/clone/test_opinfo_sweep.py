@@ -151,6 +151,26 @@ def test_sweep_detects_a_wrong_gradient():
     assert sweep.run_case(case).kind in ("rule", "fallback")
 
 
+# The compiled engine (the captured program under torch.compile; some rules take another form there:
+# jvpreg.clone.tensor.compiling) on a few samples of the rule families that models use: seconds per case, so slow.
+# Not avg_pool2d: torch.compile's lowering of its backward rejects a 1-element padding, plain torch.compile too.
+COMPILED = {"nn.functional.relu", "nn.functional.leaky_relu", "nn.functional.hardtanh", "nn.functional.gelu",
+            "nn.functional.silu", "softmax", "log_softmax", "masked_fill", "nn.functional.layer_norm",
+            "nn.functional.group_norm", "nn.functional.batch_norm", "nn.functional.max_pool2d", "logsumexp", "amax",
+            "nn.functional.conv2d", "matmul"}
+COMPILED_SAMPLES = 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", [o for o in OPS if _key(o) in COMPILED], ids=_key)
+def test_opinfo_compiled_exact(op):
+    results = sweep.run_op(op, n_samples=COMPILED_SAMPLES, engine="compiled")
+    bad = _failures(results)
+    assert not bad, "\n".join(f"{r.kind} {r.case.id} ({r.capture}): {r.detail}" for r in bad)
+    assert any(r.capture == "captured" for r in results if r.kind == "rule"), \
+        f"{_key(op)}: no case was compiled: {sorted({r.capture for r in results})}"
+
+
 def _scaled_by_its_largest_entry(x):
     """Python reads a value (``.item()``): a program holds it for one value, and its guard re-checks it."""
     return x * x.abs().max().item()
