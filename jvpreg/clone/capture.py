@@ -596,11 +596,16 @@ def _check_rng_replayed(module: nn.Module, replay: Callable, leaves: List[Any], 
     inside the forward is not part of the program: its replays would draw other dropout masks than the forward
     does, or leave the generators elsewhere, so such a forward runs in eager clone mode."""
     with torch.no_grad():
-        inputs = [_phys(leaves[i]).clone() for i in clone_pos] + [_phys(slot_values[j]) for j in slot_pos]
-    with _restored_state(module, device), torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", category=UserWarning)
-        replay(*inputs)
-        replayed = _rng_states(device)
+        inputs = [_phys(leaves[i]).clone().requires_grad_(leaves[i].requires_grad) for i in clone_pos]
+    inputs += [_phys(slot_values[j]) for j in slot_pos]
+    try:  # in the call's grad mode, as the program will replay
+        with _restored_state(module, device), warnings.catch_warnings():
+            warnings.simplefilter("ignore", category=UserWarning)
+            replay(*inputs)
+            replayed = _rng_states(device)
+    except Exception as err:  # noqa: BLE001  (said in the reason: eager clone mode instead)
+        raise CaptureError(f"the recorded program, replayed once to check its random draws, raised "
+                           f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}") from err
     if not _same_rng(replayed, rng_traced):
         raise CaptureError("its Python code seeds or sets the random number generator inside the forward "
                            "(torch.manual_seed, torch.set_rng_state, torch.random.fork_rng), which a captured "

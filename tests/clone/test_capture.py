@@ -420,6 +420,28 @@ def test_dropout_program_is_checked_once_and_kept():
     assert [p.gm is not None for p in capture.programs(model).values()] == [True]
 
 
+def test_a_program_that_fails_its_random_draw_check_runs_eagerly(monkeypatch):
+    """The check's replay raising (here: a replay function that always raises) is a capture failure: eager clone mode
+    with one warning, never an exception from the capture."""
+    capture._WARNED.clear()
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3)).to(D).train()
+    x, u = randn(4, 6), randn(4, 6)
+
+    def broken(gm):
+        def run(*args):
+            raise RuntimeError("replay failed")
+        return run
+
+    monkeypatch.setattr(capture, "replay_function", broken)
+    torch.manual_seed(5)
+    y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    torch.manual_seed(5)
+    with pytest.warns(JVPCaptureWarning, match="replayed once to check its random draws, raised RuntimeError"):
+        y_c, t_c = jvpreg.jvp(model, (x,), (u,), engine="captured")
+    torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+    torch.testing.assert_close(t_c, t_e, rtol=0, atol=0)
+
+
 def test_jvp_params_captured_equals_eager():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(12, 2)).to(D)
