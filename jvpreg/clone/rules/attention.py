@@ -111,8 +111,7 @@ def _lean_self_attention(a: dict):
     x = q.transpose(0, 1)                                                   # (N, L, E)
     qkv = F.linear(x, a["in_proj_weight"], a["in_proj_bias"]).unflatten(-1, (3, heads, dim // heads))
     qkv = qkv.permute(2, 0, 3, 1, 4)                                        # (3, N, h, L, e)
-    if torch.is_grad_enabled() and qkv.requires_grad:  # contiguous heads: the products keep no strided copies
-        qkv = qkv.contiguous()
+    qkv = qkv.contiguous()
     qh, kh, vh = qkv.unbind(0)
     out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p)
     out = F.linear(out.transpose(1, 2).reshape(batch, length, dim), a["out_proj_weight"], a["out_proj_bias"])
