@@ -59,9 +59,12 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
   ``autograd.Function`` s on plain tensors under
   autograd (their backward would not be replayed); modules with forward hooks other than
   weight/spectral norm's (a hook's Python side effects would not be replayed); Python that seeds or sets the random
-  number generators inside the forward (``torch.manual_seed``, ``fork_rng``: a replay would draw other dropout
-  masks; where the forward draws random numbers, the capture runs the program once more and compares the
-  generators' states with the forward's); FSDP1-managed modules
+  number generators inside the forward (``torch.manual_seed``, ``fork_rng``, ``self.gen.manual_seed``: a replay
+  would draw other dropout masks; where the forward draws random numbers, the capture runs the program once more
+  from the state the trace started at, one draw past the caller's so that no seeding lands there, and compares the
+  generators' states with the forward's: the default CPU and device generators and every ``torch.Generator`` the
+  model holds as an attribute); random ops that name a generator the model does not hold (one made in the forward:
+  the program would keep drawing from the one made at capture); FSDP1-managed modules
   and DTensor parameters (their collectives belong to FSDP's hooks: under FSDP2 the module runs eagerly around
   each ``fully_shard``-ed unit, whose forward body is captured, :mod:`jvpreg.clone.sharded_units`); a constant
   of the recorded program that
@@ -465,14 +468,60 @@ def _no_gc():
             gc.enable()
 
 
+class _Generators:
+    """The random number generators a forward on ``device`` may draw from: the default CPU one, the device's, and
+    those the model holds as attributes (``torch.randn(..., generator=self.gen)``)."""
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        self.device = device
+        seen: Dict[int, torch.Generator] = {}
+        for mod in module.modules():
+            for value in vars(mod).values():
+                if isinstance(value, torch.Generator):
+                    seen.setdefault(value._cdata, value)
+        self.owned = list(seen.values())
+
+    def states(self) -> Tuple[torch.Tensor, ...]:
+        states = (torch.get_rng_state(),)
+        if self.device.type == "cuda":
+            states += (torch.cuda.get_rng_state(self.device),)
+        return states + tuple(g.get_state() for g in self.owned)
+
+    def set(self, states: Tuple[torch.Tensor, ...]) -> None:
+        torch.set_rng_state(states[0])
+        rest = states[1:]
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(rest[0], self.device)
+            rest = rest[1:]
+        for g, state in zip(self.owned, rest):
+            g.set_state(state)
+
+    def step(self) -> None:
+        """Each generator one draw on: a state that no seeding gives (a fresh seed's Mersenne twister has read
+        none of its words, Philox's offset is 0), so a forward that seeds one ends where no replay from here can."""
+        torch.empty(1).random_()
+        if self.device.type == "cuda":
+            torch.empty(1, device=self.device).random_()
+        for g in self.owned:
+            torch.empty(1, device=g.device).random_(generator=g)
+
+
+def _held_generators(gm: torch.fx.GraphModule) -> List[torch.Generator]:
+    """The generators the program's random ops name (``generator=``), which it holds as constants."""
+    held = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.Generator):
+            held.append(getattr(gm, node.target))
+    return held
+
+
 @contextlib.contextmanager
-def _restored_state(module: nn.Module, device: torch.device):
-    """Run something for its trace only: buffers and the RNG come back as they were."""
+def _restored_state(module: nn.Module, generators: _Generators):
+    """Run something for its trace only: buffers and the random number generators come back as they were."""
     buffers = [b for b in module.buffers() if b is not None]
     with torch.no_grad():
         saved = [b.clone() for b in buffers]
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    states = generators.states()
     try:
         yield
     finally:
@@ -481,9 +530,7 @@ def _restored_state(module: nn.Module, device: torch.device):
                 # through .data: the restore must not bump version counters (BatchNorm saves its running
                 # statistics for backward and updates them in its kernel without a bump)
                 b.data.copy_(s)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
+        generators.set(states)
 
 
 def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec: _Record,
@@ -536,12 +583,19 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     inputs = [c.requires_grad_(leaves[i].requires_grad) for c, i in zip(copies, clone_pos)]
     inputs += [_phys(slot_values[j]) for j in slot_pos]
     device = next((t.device for t in inputs), torch.device("cpu"))
-    rng_before = _rng_states(device)
-    with _restored_state(module, device), warnings.catch_warnings(), _no_gc():
+    generators = _Generators(module, device)
+    with _restored_state(module, generators), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
+        generators.step()  # the trace's draws are thrown away: from a state no seed gives (see _check_rng_replayed)
+        rng_start = generators.states()
         with compiled_code.traced_through(), checkpointed_regions.recording():  # a compiled function: its code
             gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
-        rng_traced = _rng_states(device)
+        rng_traced = generators.states()
+    owned = {g._cdata for g in generators.owned}  # the tracer holds its own Python object for the same generator
+    if any(g._cdata not in owned for g in _held_generators(gm)):
+        raise CaptureError("its forward draws random numbers from a torch.Generator that is not an attribute of "
+                           "the model (one made inside the forward, or held elsewhere), which a captured program "
+                           "cannot replay as the forward draws from it")
     draws = any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
     _check_constants(gm, out_meta["traced_storages"])
     reads = out_meta["reads"]
@@ -568,19 +622,12 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     spec = out_meta["spec"]
     flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
     replay = None if compiling else replay_function(gm)
-    if not compiling and (draws or not _same_rng(rng_traced, rng_before)):
-        _check_rng_replayed(module, replay, leaves, clone_pos, slot_values, slot_pos, device, rng_traced)
+    if draws or not _same_rng(rng_traced, rng_start):  # a program to be compiled is checked as recorded
+        _check_rng_replayed(module, gm if compiling else replay, leaves, clone_pos, slot_values, slot_pos,
+                            generators, rng_start, rng_traced)
     return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
                     out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]), attrs=attrs, guard=guard,
                     replay=replay)
-
-
-def _rng_states(device: torch.device) -> Tuple[torch.Tensor, ...]:
-    """The default generators' states that a forward on ``device`` may draw from (the CPU's, and the device's)."""
-    states = (torch.get_rng_state(),)
-    if device.type == "cuda":
-        states += (torch.cuda.get_rng_state(device),)
-    return states
 
 
 def _same_rng(a: Tuple[torch.Tensor, ...], b: Tuple[torch.Tensor, ...]) -> bool:
@@ -588,28 +635,33 @@ def _same_rng(a: Tuple[torch.Tensor, ...], b: Tuple[torch.Tensor, ...]) -> bool:
 
 
 def _check_rng_replayed(module: nn.Module, replay: Callable, leaves: List[Any], clone_pos: List[int],
-                        slot_values: List[Any], slot_pos: List[int], device: torch.device,
-                        rng_traced: Tuple[torch.Tensor, ...]) -> None:
+                        slot_values: List[Any], slot_pos: List[int], generators: _Generators,
+                        rng_start: Tuple[torch.Tensor, ...], rng_traced: Tuple[torch.Tensor, ...]) -> None:
     """The traced forward drew random numbers or moved the random number generators: run the program once from the
-    same state (buffers and generators restored afterwards) and require it to leave them where the forward did.
-    Python that seeds or sets them (``torch.manual_seed``, ``torch.set_rng_state``, ``torch.random.fork_rng``)
-    inside the forward is not part of the program: its replays would draw other dropout masks than the forward
-    does, or leave the generators elsewhere, so such a forward runs in eager clone mode."""
+    state the trace started from (buffers and generators restored afterwards) and require it to leave them where
+    the forward did. Python that seeds or sets them (``torch.manual_seed``, ``torch.set_rng_state``,
+    ``torch.random.fork_rng``, ``self.gen.manual_seed``) inside the forward is not part of the program: its replays
+    would draw other dropout masks than the forward does, or leave the generators elsewhere, so such a forward
+    runs in eager clone mode. The trace started one draw past the caller's state, which no seeding gives, so a
+    forward that seeds a generator cannot happen to end where the replay does (it would from a freshly seeded
+    state)."""
     with torch.no_grad():
         inputs = [_phys(leaves[i]).clone().requires_grad_(leaves[i].requires_grad) for i in clone_pos]
     inputs += [_phys(slot_values[j]) for j in slot_pos]
     try:  # in the call's grad mode, as the program will replay
-        with _restored_state(module, device), warnings.catch_warnings():
+        with _restored_state(module, generators), warnings.catch_warnings():
             warnings.simplefilter("ignore", category=UserWarning)
+            generators.set(rng_start)
             replay(*inputs)
-            replayed = _rng_states(device)
+            replayed = generators.states()
     except Exception as err:  # noqa: BLE001  (said in the reason: eager clone mode instead)
         raise CaptureError(f"the recorded program, replayed once to check its random draws, raised "
                            f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}") from err
     if not _same_rng(replayed, rng_traced):
-        raise CaptureError("its Python code seeds or sets the random number generator inside the forward "
-                           "(torch.manual_seed, torch.set_rng_state, torch.random.fork_rng), which a captured "
-                           "program does not replay: its random ops (dropout) would draw other numbers")
+        raise CaptureError("its Python code seeds or sets a random number generator inside the forward "
+                           "(torch.manual_seed, torch.set_rng_state, torch.random.fork_rng, Generator.manual_seed), "
+                           "which a captured program does not replay: its random ops (dropout) would draw other "
+                           "numbers")
 
 
 def _storages(tensors) -> set:

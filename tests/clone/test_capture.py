@@ -383,24 +383,72 @@ class _SeededDropout(nn.Module):
         return torch.nn.functional.dropout(h, 0.5)
 
 
-@pytest.mark.parametrize("how", ["fork_rng", "manual_seed"])
-def test_forward_that_seeds_the_generator_runs_eagerly_with_the_same_masks(how):
+@pytest.mark.parametrize("engine", ["captured", "compiled"])
+@pytest.mark.parametrize("how, caller_seed", [("fork_rng", 3), ("manual_seed", 3), ("manual_seed", 42)])
+def test_forward_that_seeds_the_generator_runs_eagerly_with_the_same_masks(how, caller_seed, engine):
     """A program replays the random ops, not Python's seeding: the capture runs it once and compares the generators'
     states; the forward then runs in eager clone mode (same masks, same generator state after the call as eager),
-    where a replay drew other masks (OpInfo's SDPA with dropout: wrong primal by the captured sweep)."""
+    where a replay drew other masks (OpInfo's SDPA with dropout: wrong primal by the captured sweep). Caller seed 42
+    is the state the forward seeds: a trace and a replay from it would end alike (the trace starts one draw on).
+    A program to be compiled is checked the same way (it is the same recorded program)."""
     capture._WARNED.clear()
     model = _SeededDropout(how).to(D)
     x, u = randn(4, 6), randn(4, 6)
-    torch.manual_seed(3)
+    torch.manual_seed(caller_seed)
     y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
     after_eager = torch.get_rng_state()
-    torch.manual_seed(3)
-    with pytest.warns(JVPCaptureWarning, match="seeds or sets the random number generator"):
-        y_c, t_c = jvpreg.jvp(model, (x,), (u,), engine="captured")
+    torch.manual_seed(caller_seed)
+    with pytest.warns(JVPCaptureWarning, match="seeds or sets a random number generator"):
+        y_c, t_c = jvpreg.jvp(model, (x,), (u,), engine=engine)
     assert torch.equal(torch.get_rng_state(), after_eager)
     torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
     torch.testing.assert_close(t_c, t_e, rtol=0, atol=0)
     assert all(p.gm is None for p in capture.programs(model).values())
+
+
+class _GeneratorNoise(nn.Module):
+    """Noise drawn from an explicit ``torch.Generator``: the model's own, kept across calls (``own``) or seeded again
+    in every forward (``reseeded``), or one made in the forward (``made_in_forward``)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.lin, self.gen = how, nn.Linear(6, 8), torch.Generator().manual_seed(7)
+
+    def forward(self, x):
+        gen = self.gen
+        if self.how == "reseeded":
+            gen.manual_seed(7)
+        elif self.how == "made_in_forward":
+            gen = torch.Generator().manual_seed(7)
+        return torch.relu(self.lin(x)) + torch.randn(x.shape[0], 8, dtype=x.dtype, generator=gen)
+
+
+@pytest.mark.parametrize("how, reason", [("own", None), ("reseeded", "seeds or sets a random number generator"),
+                                         ("made_in_forward", "not an attribute of the model")])
+def test_noise_from_an_explicit_generator_is_drawn_as_in_eager_mode(how, reason):
+    """A program holds the generator its random op names. The model's own generator is restored after the trace and
+    checked like the default ones, so a program that draws from it as the forward does is kept; one seeded in the
+    forward (here from the first call, whose state is the seed's) or made there runs in eager clone mode. Before, both
+    replayed other noise on every call after the capture (a wrong primal, silently)."""
+    capture._WARNED.clear()
+    torch.manual_seed(0)
+    model, eager = _GeneratorNoise(how).to(D), _GeneratorNoise(how).to(D)
+    eager.load_state_dict(model.state_dict())
+    x, u = randn(4, 6), randn(4, 6)
+    for call in range(3):
+        y_e, t_e = jvpreg.jvp(eager, (x,), (u,), engine="eager")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y_c, t_c = jvpreg.jvp(model, (x,), (u,), engine="captured")
+        said = [str(w.message) for w in caught if issubclass(w.category, JVPCaptureWarning)]
+        if call == 0 and reason is not None:
+            assert len(said) == 1 and reason in said[0], said
+        else:
+            assert said == []
+        torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+        torch.testing.assert_close(t_c, t_e, rtol=0, atol=0)
+        assert torch.equal(model.gen.get_state(), eager.gen.get_state())
+    assert [p.gm is not None for p in capture.programs(model).values()] == [reason is None]
 
 
 def test_dropout_program_is_checked_once_and_kept():
