@@ -64,7 +64,9 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
   from the state the trace started at, one draw past the caller's so that no seeding lands there, and compares the
   generators' states with the forward's: the default CPU and device generators and every ``torch.Generator`` the
   model holds as an attribute); random ops that name a generator the model does not hold (one made in the forward:
-  the program would keep drawing from the one made at capture); FSDP1-managed modules
+  the program would keep drawing from the one made at capture); a forward that sets Python attributes of its
+  modules to new values (``self.calls += 1``: a replay would not set them; the trace's writes are taken back, so
+  the call runs eagerly and sets them once; :mod:`jvpreg.clone.side_effects`); FSDP1-managed modules
   and DTensor parameters (their collectives belong to FSDP's hooks: under FSDP2 the module runs eagerly around
   each ``fully_shard``-ed unit, whose forward body is captured, :mod:`jvpreg.clone.sharded_units`); a constant
   of the recorded program that
@@ -100,6 +102,7 @@ from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
 from .replay import replay_function
+from .side_effects import Attributes, Generators, held_generators
 from .passes import largest_magnitude, optimize
 from .tensor import _ANY_AUTOCAST, CloneTensor
 
@@ -468,55 +471,8 @@ def _no_gc():
             gc.enable()
 
 
-class _Generators:
-    """The random number generators a forward on ``device`` may draw from: the default CPU one, the device's, and
-    those the model holds as attributes (``torch.randn(..., generator=self.gen)``)."""
-
-    def __init__(self, module: nn.Module, device: torch.device):
-        self.device = device
-        seen: Dict[int, torch.Generator] = {}
-        for mod in module.modules():
-            for value in vars(mod).values():
-                if isinstance(value, torch.Generator):
-                    seen.setdefault(value._cdata, value)
-        self.owned = list(seen.values())
-
-    def states(self) -> Tuple[torch.Tensor, ...]:
-        states = (torch.get_rng_state(),)
-        if self.device.type == "cuda":
-            states += (torch.cuda.get_rng_state(self.device),)
-        return states + tuple(g.get_state() for g in self.owned)
-
-    def set(self, states: Tuple[torch.Tensor, ...]) -> None:
-        torch.set_rng_state(states[0])
-        rest = states[1:]
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(rest[0], self.device)
-            rest = rest[1:]
-        for g, state in zip(self.owned, rest):
-            g.set_state(state)
-
-    def step(self) -> None:
-        """Each generator one draw on: a state that no seeding gives (a fresh seed's Mersenne twister has read
-        none of its words, Philox's offset is 0), so a forward that seeds one ends where no replay from here can."""
-        torch.empty(1).random_()
-        if self.device.type == "cuda":
-            torch.empty(1, device=self.device).random_()
-        for g in self.owned:
-            torch.empty(1, device=g.device).random_(generator=g)
-
-
-def _held_generators(gm: torch.fx.GraphModule) -> List[torch.Generator]:
-    """The generators the program's random ops name (``generator=``), which it holds as constants."""
-    held = []
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.Generator):
-            held.append(getattr(gm, node.target))
-    return held
-
-
 @contextlib.contextmanager
-def _restored_state(module: nn.Module, generators: _Generators):
+def _restored_state(module: nn.Module, generators: Generators):
     """Run something for its trace only: buffers and the random number generators come back as they were."""
     buffers = [b for b in module.buffers() if b is not None]
     with torch.no_grad():
@@ -583,16 +539,24 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     inputs = [c.requires_grad_(leaves[i].requires_grad) for c, i in zip(copies, clone_pos)]
     inputs += [_phys(slot_values[j]) for j in slot_pos]
     device = next((t.device for t in inputs), torch.device("cpu"))
-    generators = _Generators(module, device)
+    generators, attributes = Generators(module, device), Attributes(module)
     with _restored_state(module, generators), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         generators.step()  # the trace's draws are thrown away: from a state no seed gives (see _check_rng_replayed)
         rng_start = generators.states()
-        with compiled_code.traced_through(), checkpointed_regions.recording():  # a compiled function: its code
-            gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
+        try:
+            with compiled_code.traced_through(), checkpointed_regions.recording():  # a compiled function: its code
+                gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
+        finally:
+            written = attributes.changed()
+            if written:  # as they were: the call runs eagerly and sets them once
+                attributes.restore()
         rng_traced = generators.states()
-    owned = {g._cdata for g in generators.owned}  # the tracer holds its own Python object for the same generator
-    if any(g._cdata not in owned for g in _held_generators(gm)):
+    if written:
+        raise CaptureError(f"its forward sets Python attributes ({', '.join(written[:4])}"
+                           f"{' ...' if len(written) > 4 else ''}), which a replay would not set (if only its first "
+                           "calls set them, e.g. a cache, call jvpreg.clone.capture.reset(model) after those)")
+    if any(not generators.holds(g) for g in held_generators(gm)):
         raise CaptureError("its forward draws random numbers from a torch.Generator that is not an attribute of "
                            "the model (one made inside the forward, or held elsewhere), which a captured program "
                            "cannot replay as the forward draws from it")
@@ -635,7 +599,7 @@ def _same_rng(a: Tuple[torch.Tensor, ...], b: Tuple[torch.Tensor, ...]) -> bool:
 
 
 def _check_rng_replayed(module: nn.Module, replay: Callable, leaves: List[Any], clone_pos: List[int],
-                        slot_values: List[Any], slot_pos: List[int], generators: _Generators,
+                        slot_values: List[Any], slot_pos: List[int], generators: Generators,
                         rng_start: Tuple[torch.Tensor, ...], rng_traced: Tuple[torch.Tensor, ...]) -> None:
     """The traced forward drew random numbers or moved the random number generators: run the program once from the
     state the trace started from (buffers and generators restored afterwards) and require it to leave them where

@@ -1,0 +1,157 @@
+"""Python state a forward changes besides its tensors (``jvpreg.clone.side_effects``): a captured program would not
+change it, so such a forward runs in eager clone mode and changes it exactly as an eager call does."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import jvpreg
+from jvpreg.clone import JVPCaptureWarning, capture
+from jvpreg.clone.side_effects import Attributes
+from jvpreg.clone.tensor import raw
+
+D = torch.float64
+
+
+def randn(*shape):
+    return torch.randn(*shape, dtype=D)
+
+
+def _calls(model, x, u, engine):
+    """One JVP; the ``JVPCaptureWarning`` messages it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+    return y, t, [str(w.message) for w in caught if issubclass(w.category, JVPCaptureWarning)]
+
+
+class _Recording(nn.Module):
+    """Counts its calls and keeps its last hidden state, as monitoring code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x))
+        self.calls += 1
+        self.head.last = h.detach()
+        return self.head(h)
+
+
+def test_forward_that_sets_attributes_runs_eagerly_and_sets_them_as_eager_calls_do():
+    """Before: the program replayed the tensor ops only, so ``calls`` stayed at 1 and ``last`` at the capturing call's
+    tensor for every later call, silently."""
+    capture._WARNED.clear()
+    torch.manual_seed(0)
+    model, eager = _Recording().to(D), _Recording().to(D)
+    eager.load_state_dict(model.state_dict())
+    u = randn(4, 6)
+    for call in range(3):
+        x = randn(4, 6)
+        y_e, t_e = jvpreg.jvp(eager, (x,), (u,), engine="eager")
+        y_c, t_c, said = _calls(model, x, u, "captured")
+        if call == 0:
+            assert len(said) == 1 and "sets Python attributes (_Recording.calls, head.last)" in said[0], said
+        else:
+            assert said == []
+        torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
+        torch.testing.assert_close(t_c, t_e, rtol=0, atol=0)
+        assert model.calls == eager.calls == call + 1  # once per call: the trace's write was taken back
+        assert torch.equal(raw(model.head.last), raw(eager.head.last))  # this call's clone batch, as eager keeps it
+    assert [p.gm is not None for p in capture.programs(model).values()] == [False]
+
+
+class _Flagged(nn.Module):
+    """Sets the same flag, name and dtype on every call: a replay that does not set them leaves what a call would."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        self.seen_input, self.mode, self.dtype_seen, self.shape_seen = True, "jvp", x.dtype, tuple(x.shape)
+        return torch.tanh(self.lin(x))
+
+
+def test_writes_of_equal_values_keep_the_program():
+    model = _Flagged().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    model(x)  # the attributes exist before the capture
+    for _ in range(2):
+        _, _, said = _calls(model, x, u, "captured")
+        assert said == []
+    assert [p.gm is not None for p in capture.programs(model).values()] == [True]
+
+
+class _Cached(nn.Module):
+    """Builds a table on its first call only (a rotary embedding's cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.linspace(0, 1, 3, dtype=x.dtype)
+        return self.lin(x) * self.table
+
+
+def test_a_cache_set_on_the_first_call_is_kept_and_reset_captures_after_it():
+    capture._WARNED.clear()
+    model = _Cached().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    _, t_first, said = _calls(model, x, u, "captured")
+    assert len(said) == 1 and "_Cached.table" in said[0] and "reset(model)" in said[0]
+    assert torch.equal(model.table, torch.linspace(0, 1, 3, dtype=D))  # set once, by the eager run
+    capture.reset(model)
+    _, t, said = _calls(model, x, u, "captured")
+    assert said == []
+    torch.testing.assert_close(t, t_first, rtol=0, atol=0)
+    assert [p.gm is not None for p in capture.programs(model).values()] == [True]
+
+
+def test_spectral_norm_weight_recomputed_by_its_hook_keeps_the_program():
+    """Spectral norm's pre-hook sets ``module.weight`` on every call from tensors the program computes."""
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(6, 8)), nn.ReLU(), nn.Linear(8, 3)).to(D).eval()
+    x, u = randn(4, 6), randn(4, 6)
+    for _ in range(2):
+        _, t, said = _calls(model, x, u, "captured")
+        assert said == []
+    _, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    assert [p.gm is not None for p in capture.programs(model).values()] == [True]
+
+
+def test_attributes_snapshot_names_and_restores_every_kind_of_write():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    model.register_buffer("buf", torch.zeros(2))
+    snap = Attributes(model)
+    old_weight, old_relu, old_buf = model[0].weight, model[1], model.buf
+    model.new_attribute = 1                       # added
+    model[0].weight = nn.Parameter(torch.ones(2, 2))  # a parameter rebound
+    model[1] = nn.Identity()                      # a submodule replaced
+    model.buf = torch.ones(2)                     # a buffer rebound
+    model[0].in_features = 2                      # the same number: no change
+    assert snap.changed() == ["0.weight", "Sequential.1", "Sequential.buf", "Sequential.new_attribute"]
+    snap.restore()
+    assert snap.changed() == []
+    assert not hasattr(model, "new_attribute")
+    assert model[0].weight is old_weight and model[1] is old_relu and model.buf is old_buf
+
+
+@pytest.mark.parametrize("engine", ["auto", "compiled"])
+def test_every_engine_that_captures_checks_the_writes(engine, monkeypatch):
+    monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
+    capture._WARNED.clear()
+    model = _Recording().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    for _ in range(2):
+        _calls(model, x, u, engine)
+    assert model.calls == 2
+    assert [p.gm is not None for p in capture.programs(model).values()] == [False]
