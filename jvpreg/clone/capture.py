@@ -893,6 +893,10 @@ def _capture(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], r
             return _trace(module, fn, in_spec, leaves, rec, slot_values)
     except CaptureError as err:
         return _Program(gm=None, reason=str(err))
+    except NotImplementedError as err:  # the tracer cannot record an argument (torch 2.11: a torch.Generator);
+        # a forward's own NotImplementedError is raised again by its eager run
+        return _Program(gm=None, reason=f"the tracer cannot record it (NotImplementedError: "
+                                        f"{str(err).splitlines()[0][:120] if str(err) else ''})")
     except RuntimeError as err:
         if "data-dependent" not in str(err) and "tracing tensor" not in str(err):
             raise
