@@ -72,8 +72,11 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
   of the recorded program that
   shares memory with a traced tensor (an alias made where the tracer cannot see it, e.g. ``as_subclass``:
   it would replay the capturing call's values).
-* Python attributes of submodules that the forward reads (dropout ``p``, ``eps``, flags) are baked
-  into the program: after changing one, call :func:`reset` (or use ``engine="eager"``).
+* Python attributes of the modules that the forward reads (dropout ``p``, ``eps``, a stride, a flag, a function)
+  steer what the trace records: they are recorded during the trace and re-checked before every replay (numbers,
+  strings and flags by value, other objects by identity; :class:`jvpreg.clone.side_effects.AttributeReads`), and a
+  change recaptures (after :data:`MAX_VARIANTS` changes, eager clone mode with a warning). Fields of objects the
+  modules hold (a Hugging Face config) are not re-checked: after changing one, call :func:`reset`.
 * Parameters and buffers are checked for infinities once, at capture: one that turns non-finite later
   (a diverged run) gives NaN tangents where the non-finite fix would give 0 (loud, never a wrong finite
   value); :func:`reset` recaptures.
@@ -102,7 +105,7 @@ from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
 from .replay import replay_function
-from .side_effects import Attributes, Generators, held_generators
+from .side_effects import AttributeReads, Attributes, Generators, changed, held_generators, hold
 from .passes import largest_magnitude, optimize
 from .tensor import _ANY_AUTOCAST, CloneTensor
 
@@ -226,6 +229,7 @@ class _Program:
     gm: Optional[Callable]              # None: this signature runs in eager clone mode
     keep: Tuple[Any, ...] = ()          # the plain parameters/buffers traced (alive, so equal ids = same objects)
     attrs: Tuple[Any, ...] = ()         # (module __dict__, name, tensor): plain tensor attributes baked in
+    reads: Tuple[Any, ...] = ()         # the other attributes the forward read (side_effects.AttributeReads.checks)
     out_spec: Any = None
     out_kinds: Tuple[Any, ...] = ()     # per output leaf: "clone"/"state"/"tensor" or the constant
     compiled: Optional[Callable] = None
@@ -275,6 +279,7 @@ class _Record:
     hooks: str = ""
     programs: Dict[Any, _Program] = field(default_factory=dict)
     seen: Dict[Any, int] = field(default_factory=dict)  # engine="auto": eager calls so far of a signature not captured
+    read_changes: Dict[Any, int] = field(default_factory=dict)  # recaptures of a signature for changed attributes
     flagged: List[nn.Module] = field(default_factory=list)   # submodules whose training flag is guarded
     hook_epoch: int = -1
     slot_stores: Optional[Tuple[Dict[str, Any], ...]] = None  # slots, unzipped once
@@ -539,13 +544,14 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     inputs = [c.requires_grad_(leaves[i].requires_grad) for c, i in zip(copies, clone_pos)]
     inputs += [_phys(slot_values[j]) for j in slot_pos]
     device = next((t.device for t in inputs), torch.device("cpu"))
-    generators, attributes = Generators(module, device), Attributes(module)
+    generators, attributes, attribute_reads = Generators(module, device), Attributes(module), AttributeReads(module)
     with _restored_state(module, generators), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         generators.step()  # the trace's draws are thrown away: from a state no seed gives (see _check_rng_replayed)
         rng_start = generators.states()
         try:
-            with compiled_code.traced_through(), checkpointed_regions.recording():  # a compiled function: its code
+            # (traced_through: a compiled function's code is recorded; attribute_reads: what the program holds for)
+            with compiled_code.traced_through(), checkpointed_regions.recording(), attribute_reads.recording():
                 gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
         finally:
             written = attributes.changed()
@@ -590,7 +596,8 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         _check_rng_replayed(module, gm if compiling else replay, leaves, clone_pos, slot_values, slot_pos,
                             generators, rng_start, rng_traced)
     return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
-                    out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]), attrs=attrs, guard=guard,
+                    out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]), attrs=attrs,
+                    reads=attribute_reads.checks(rec.root()), guard=guard,
                     replay=replay)
 
 
@@ -829,6 +836,15 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     if prog is not None and prog.attrs and not all((module.__dict__ if d is None else d).get(n) is v
                                                    for d, n, v in prog.attrs):
         prog = None  # a tensor attribute the program baked in was reassigned
+    if prog is not None and prog.reads and not hold(module, prog.reads):
+        # an attribute the forward read changed (dropout p, eps, a flag): the program holds for the old values
+        rec.read_changes[key] = rec.read_changes.get(key, 0) + 1
+        if rec.read_changes[key] < MAX_VARIANTS:
+            prog = None
+        else:
+            prog = rec.programs[key] = _Program(
+                gm=None, reason=f"attributes its forward reads ({', '.join(changed(module, prog.reads)[:4])}) "
+                                "change from call to call (a program holds for one set of values)")
     if prog is None and engine == "auto":
         calls = rec.seen.get(key, 0)
         if calls < EAGER_CALLS_BEFORE_CAPTURE:  # a signature seen for the first time: not worth a capture yet

@@ -14,15 +14,23 @@ outside them:
   A write of an equal number, string or flag (``self.flag = True`` on every call) changes nothing and is allowed;
   so is weight and spectral norm's ``module.weight``, which their hooks recompute inside the program. Changes
   inside a container (``self.log.append(h)``) are not seen.
+
+The attributes a forward *reads* (``self.p`` of a dropout, ``self.eps``, ``self.stride``, a flag, a function) steer
+what the trace records, so the program holds for their values only. :class:`AttributeReads` records them during the
+trace (each module's class is swapped for a subclass whose ``__getattribute__`` notes instance attributes, and put
+back after); the capture re-checks them before every replay and recaptures where one changed: numbers, strings,
+flags, dtypes and tuples or lists of them by value, other objects by identity. Attributes of objects that modules
+hold (a Hugging Face config's fields) are not re-checked.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["Generators", "held_generators", "Attributes"]
+__all__ = ["Generators", "held_generators", "Attributes", "AttributeReads", "hold", "changed"]
 
 
 class Generators:
@@ -131,3 +139,83 @@ class Attributes:
                 del (vars(mod) if where == "" else getattr(mod, where))[name]
             for (where, name), value in before.items():
                 (vars(mod) if where == "" else getattr(mod, where))[name] = value
+
+
+_MACHINERY = frozenset(vars(nn.Module())) | {"__dict__", "__class__"}  # nn.Module's own state (``training``: guarded)
+_RECORDING: Dict[type, type] = {}
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, (tuple, list)) and all(_plain(v) for v in value))
+
+
+def _recording_class(cls: type) -> type:
+    """``cls`` with a ``__getattribute__`` that reports the instance attributes read to the active recorder."""
+    sub = _RECORDING.get(cls)
+    if sub is None:
+        def __getattribute__(self, name):
+            value = super(sub, self).__getattribute__(name)
+            if name not in _MACHINERY and AttributeReads.active_recorder is not None:
+                own = object.__getattribute__(self, "__dict__")
+                if name in own and own[name] is value:
+                    AttributeReads.active_recorder.note(self, name, value)
+            return value
+
+        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _RECORDING[cls] = sub
+    return sub
+
+
+class AttributeReads:
+    """The instance attributes of a model's modules that a forward reads while :meth:`recording`."""
+
+    active_recorder: "AttributeReads | None" = None
+
+    def __init__(self, module: nn.Module):
+        self.mods = list(module.modules())
+        self.read: Dict[Tuple[int, str], Tuple[nn.Module, str, Any]] = {}
+
+    def note(self, mod: nn.Module, name: str, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):  # tensors: inputs of the program, or its constants (checked apart)
+            self.read.setdefault((id(mod), name), (mod, name, value))
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        swapped = []
+        outer, AttributeReads.active_recorder = AttributeReads.active_recorder, self
+        try:
+            for mod in self.mods:
+                cls = type(mod)
+                mod.__class__ = _recording_class(cls)
+                swapped.append((mod, cls))
+            yield
+        finally:
+            AttributeReads.active_recorder = outer
+            for mod, cls in swapped:
+                mod.__class__ = cls
+
+    def checks(self, root: nn.Module) -> Tuple[Tuple[Any, str, Any, bool], ...]:
+        """``(module __dict__ or None for the root, name, value, by value)`` per attribute read: what
+        :func:`hold` re-checks (a list by a copy of its value)."""
+        out = []
+        for mod, name, value in self.read.values():
+            by_value = _plain(value)
+            kept = list(value) if by_value and type(value) is list else value  # a list of numbers: its values now
+            out.append((None if mod is root else mod.__dict__, name, kept, by_value))
+        return tuple(out)
+
+
+def hold(root: nn.Module, checks: Tuple[Tuple[Any, str, Any, bool], ...]) -> bool:
+    """Every attribute in ``checks`` still has its value (by value) or object (by identity)."""
+    own = root.__dict__
+    for d, name, value, by_value in checks:
+        now = (own if d is None else d).get(name, _MISSING)
+        if now is not value and not (by_value and type(now) is type(value) and now == value):
+            return False
+    return True
+
+
+def changed(root: nn.Module, checks: Tuple[Tuple[Any, str, Any, bool], ...]) -> List[str]:
+    """The names of the attributes in ``checks`` that no longer :func:`hold`."""
+    return sorted({name for check in checks if not hold(root, (check,)) for name in (check[1],)})

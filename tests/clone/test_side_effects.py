@@ -155,3 +155,109 @@ def test_every_engine_that_captures_checks_the_writes(engine, monkeypatch):
         _calls(model, x, u, engine)
     assert model.calls == 2
     assert [p.gm is not None for p in capture.programs(model).values()] == [False]
+
+
+class _Configurable(nn.Module):
+    """A forward steered by plain attributes: a slope, a flag and an activation function."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(6, 8), nn.LayerNorm(8)
+        self.act, self.residual = torch.tanh, False
+        self.leaky = nn.LeakyReLU(0.1)
+
+    def forward(self, x):
+        h = self.leaky(self.norm(self.lin(x)))
+        h = self.act(h)
+        return h + self.lin(x) if self.residual else h
+
+
+@pytest.mark.parametrize("change", ["slope", "eps", "flag", "function", "dropout_p"])
+def test_a_changed_attribute_that_the_forward_reads_recaptures(change):
+    """Before: the program kept the values of the capturing call (a slope of 0.1 after it was set to 0.3: wrong JVP,
+    silently)."""
+    torch.manual_seed(0)
+    model = _Configurable().to(D)
+    if change == "dropout_p":
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3)).to(D).train()
+    x, u = randn(4, 6), randn(4, 6)
+    for _ in range(2):
+        _calls(model, x, u, "captured")
+    if change == "slope":
+        model.leaky.negative_slope = 0.3
+    elif change == "eps":
+        model.norm.eps = 0.5
+    elif change == "flag":
+        model.residual = True
+    elif change == "function":
+        model.act = torch.sigmoid
+    else:
+        model[1].p = 0.0  # no dropout: the output is deterministic
+    state = torch.get_rng_state()
+    y, t, said = _calls(model, x, u, "captured")
+    torch.set_rng_state(state)
+    y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    assert said == []
+    torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    assert all(p.gm is not None for p in capture.programs(model).values())
+
+
+def test_attributes_read_are_recorded_by_value_and_the_classes_are_put_back():
+    model = _Configurable().to(D)
+    classes = [type(m) for m in model.modules()]
+    _calls(model, randn(4, 6), randn(4, 6), "captured")
+    assert [type(m) for m in model.modules()] == classes
+    (prog,) = capture.programs(model).values()
+    read = {name: (value, by_value) for _, name, value, by_value in prog.reads}
+    assert read["negative_slope"] == (0.1, True) and read["eps"] == (1e-5, True)
+    assert read["normalized_shape"] == ((8,), True) and read["residual"] == (False, True)
+    assert read["act"] == (torch.tanh, False)  # a function: by identity
+    assert "training" not in read and "_parameters" not in read  # nn.Module's own state: guarded apart
+
+
+def test_an_attribute_changed_on_every_call_runs_eagerly_after_a_few_recaptures(monkeypatch):
+    monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
+    capture._WARNED.clear()
+    model = _Configurable().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    said_all = []
+    for i in range(capture.MAX_VARIANTS + 3):
+        model.leaky.negative_slope = 0.1 * (i + 1)
+        _, t, said = _calls(model, x, u, "auto")
+        said_all += said
+        _, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+        torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    assert len(said_all) == 1 and "attributes its forward reads (negative_slope) change from call to call" in said_all[0]
+    assert [p.gm is not None for p in capture.programs(model).values()] == [False]
+
+
+def test_a_trace_that_raises_puts_the_classes_back():
+    class Failing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+
+        def forward(self, x):
+            raise NotImplementedError("not written yet")
+
+    model = Failing()
+    with pytest.raises(NotImplementedError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", JVPCaptureWarning)
+        jvpreg.jvp(model, (randn(2, 6).float(),), (randn(2, 6).float(),), engine="captured")
+    assert type(model) is Failing and type(model.lin) is nn.Linear
+
+
+def test_a_program_that_reads_unchanged_attributes_is_replayed_on_every_later_call():
+    """Every call after the capture replays the same program: attributes held by identity (an LSTM's list of its
+    weights) hold as long as the object does (a copy of such a list never held: every call recaptured)."""
+    torch.manual_seed(0)
+    model = nn.LSTM(3, 4).to(D)
+    x, u = randn(5, 2, 3), randn(5, 2, 3)
+    _calls(model, x, u, "captured")
+    (prog,) = capture.programs(model).values()
+    assert any(name == "_flat_weights" and not by_value for _, name, _, by_value in prog.reads)
+    for _ in range(capture.MAX_VARIANTS + 1):
+        _, _, said = _calls(model, x, u, "captured")
+        assert said == []
+        assert list(capture.programs(model).values()) == [prog]
