@@ -75,7 +75,8 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
 * Python attributes of the modules that the forward reads (dropout ``p``, ``eps``, a stride, a flag, a function)
   steer what the trace records: they are recorded during the trace and re-checked before every replay (numbers,
   strings and flags by value, other objects by identity; :class:`jvpreg.clone.side_effects.AttributeReads`), and a
-  change recaptures (after :data:`MAX_VARIANTS` changes, eager clone mode with a warning). Fields of objects the
+  change recaptures (after :data:`MAX_VARIANTS` changes less than :data:`STEADY_REPLAYS` calls apart, eager clone
+  mode with a warning). Fields of objects the
   modules hold (a Hugging Face config) are not re-checked: after changing one, call :func:`reset`.
 * Parameters and buffers are checked for infinities once, at capture: one that turns non-finite later
   (a diverged run) gives NaN tangents where the non-finite fix would give 0 (loud, never a wrong finite
@@ -120,6 +121,9 @@ MAX_PROGRAMS = 16
 #: after :data:`MAX_MISSED_VALUES` distinct values that did not (values that change on every call).
 MAX_VARIANTS = 4
 MAX_MISSED_VALUES = 16
+#: a program replayed this many times before an attribute it read changed counts as steady: its recapture does
+#: not count toward the MAX_VARIANTS changes after which a signature runs eagerly
+STEADY_REPLAYS = 16
 #: ``engine="auto"`` runs this many calls of a new call signature in eager clone mode before it captures one.
 #: A capture costs 10-170x an eager call (on this CPU 0.1-0.8 s for an MLP, ResNet-18 or a 4-layer ViT after the
 #: process's first capture, which takes 0.5-1.5 s; 2-7 s for timm's CoaT or Inception-v4), which a signature
@@ -239,6 +243,7 @@ class _Program:
     guard: Optional[Guard] = None       # tensor values the recorded Python read: replay only where they recur
     variants: List["_Program"] = field(default_factory=list)  # programs of the same signature for other values
     misses: Dict[str, int] = field(default_factory=dict)  # engine="auto": values no program holds, and their calls
+    replays: int = 0                    # calls this program ran (attributes changing now and then: see _call)
 
 
 def _stateless_types() -> frozenset:
@@ -838,13 +843,16 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
         prog = None  # a tensor attribute the program baked in was reassigned
     if prog is not None and prog.reads and not hold(module, prog.reads):
         # an attribute the forward read changed (dropout p, eps, a flag): the program holds for the old values
-        rec.read_changes[key] = rec.read_changes.get(key, 0) + 1
+        # (one that changes now and then, an annealed dropout p, recaptures each time)
+        steady = prog.replays >= STEADY_REPLAYS
+        rec.read_changes[key] = 1 if steady else rec.read_changes.get(key, 0) + 1
         if rec.read_changes[key] < MAX_VARIANTS:
             prog = None
         else:
             prog = rec.programs[key] = _Program(
                 gm=None, reason=f"attributes its forward reads ({', '.join(changed(module, prog.reads)[:4])}) "
-                                "change from call to call (a program holds for one set of values)")
+                                f"change every few calls ({MAX_VARIANTS} times with fewer than {STEADY_REPLAYS} "
+                                "calls between; a program holds for one set of values)")
     if prog is None and engine == "auto":
         calls = rec.seen.get(key, 0)
         if calls < EAGER_CALLS_BEFORE_CAPTURE:  # a signature seen for the first time: not worth a capture yet
@@ -887,6 +895,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
         rec.programs[key] = prog
     if prog.gm is None:
         return _run_eager(module, fn, args, kwargs, prog.reason, engine)
+    prog.replays += 1
     run = prog.replay or prog.gm
     if engine == "compiled":
         if prog.compiled is None:

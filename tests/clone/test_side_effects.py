@@ -228,8 +228,24 @@ def test_an_attribute_changed_on_every_call_runs_eagerly_after_a_few_recaptures(
         said_all += said
         _, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
         torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
-    assert len(said_all) == 1 and "attributes its forward reads (negative_slope) change from call to call" in said_all[0]
+    assert len(said_all) == 1 and "attributes its forward reads (negative_slope) change every few calls" in said_all[0]
     assert [p.gm is not None for p in capture.programs(model).values()] == [False]
+
+
+def test_an_attribute_changed_now_and_then_recaptures_each_time(monkeypatch):
+    """An annealed dropout p, a slope changed every few epochs: each change after a steady stretch recaptures."""
+    monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
+    model = _Configurable().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    for change in range(capture.MAX_VARIANTS + 2):
+        model.leaky.negative_slope = 0.1 * (change + 1)
+        for _ in range(capture.STEADY_REPLAYS):
+            _, t, said = _calls(model, x, u, "auto")
+            assert said == []
+        _, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+        torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    (prog,) = capture.programs(model).values()
+    assert prog.gm is not None and prog.replays == capture.STEADY_REPLAYS
 
 
 def test_a_trace_that_raises_puts_the_classes_back():
