@@ -560,8 +560,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                 gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
         finally:
             written = attributes.changed()
-            if written:  # as they were: the call runs eagerly and sets them once
-                attributes.restore()
+            attributes.restore()  # as they were: a call that runs eagerly sets them once
         rng_traced = generators.states()
     if written:
         raise CaptureError(f"its forward sets Python attributes ({', '.join(written[:4])}"

@@ -12,8 +12,9 @@ outside them:
   replay would not set them. :class:`Attributes` takes a snapshot before the trace and names what changed; the
   capture puts the old values back (the call then runs eagerly, once) and runs such a forward in eager clone mode.
   A write of an equal number, string or flag (``self.flag = True`` on every call) changes nothing and is allowed;
-  so is weight and spectral norm's ``module.weight``, which their hooks recompute inside the program. Changes
-  inside a container (``self.log.append(h)``) are not seen.
+  so is a cache that torch's modules rebuild from their parameters (weight and spectral norm's ``module.weight``, an
+  RNN's flat weights), which the trace's snapshot puts back. Changes inside a container (``self.log.append(h)``) are
+  not seen.
 
 The attributes a forward *reads* (``self.p`` of a dropout, ``self.eps``, ``self.stride``, a flag, a function) steer
 what the trace records, so the program holds for their values only. :class:`AttributeReads` records them during the
@@ -95,12 +96,18 @@ def _same(old: Any, new: Any) -> bool:
     return type(old) is type(new) and isinstance(old, _PLAIN) and old == new
 
 
-def _recomputed_by_hooks(mod: nn.Module) -> set:
-    """Attributes that weight and spectral norm's pre-hooks set on every forward, from tensors the program computes."""
+_RNN_CACHES = frozenset({"_flat_weights", "_flat_weight_refs"})
+
+
+def _recomputed(mod: nn.Module) -> set:
+    """Caches that torch's own modules rebuild from their parameters inside a forward: weight and spectral norm's
+    ``weight`` (their pre-hooks, on every call), an RNN's flat weight list (when its parameters were swapped, as
+    ``jvp_params`` does). The program reads the parameters themselves; the trace's rebuilt caches are put back."""
     from torch.nn.utils.spectral_norm import SpectralNorm
     from torch.nn.utils.weight_norm import WeightNorm
 
-    return {h.name for h in mod._forward_pre_hooks.values() if isinstance(h, (SpectralNorm, WeightNorm))}
+    names = {h.name for h in mod._forward_pre_hooks.values() if isinstance(h, (SpectralNorm, WeightNorm))}
+    return names | _RNN_CACHES if isinstance(mod, nn.RNNBase) else names
 
 
 class Attributes:
@@ -124,7 +131,7 @@ class Attributes:
         names = []
         for (prefix, mod), before in zip(self.mods, self.before):
             after = self._attributes(mod)
-            skip = _recomputed_by_hooks(mod)
+            skip = _recomputed(mod)
             for key in before.keys() | after.keys():
                 if key[1] in skip or _same(before.get(key, _MISSING), after.get(key, _MISSING)):
                     continue
@@ -132,7 +139,8 @@ class Attributes:
         return sorted(names)
 
     def restore(self) -> None:
-        """Put every attribute back as it was at the snapshot (new ones removed)."""
+        """Put every attribute back as it was at the snapshot (new ones removed): after every trace, so that neither
+        the trace's writes nor its rebuilt caches (tensors of the trace) stay on the model."""
         for (_, mod), before in zip(self.mods, self.before):
             after = self._attributes(mod)
             for (where, name) in after.keys() - before.keys():
@@ -200,6 +208,8 @@ class AttributeReads:
         :func:`hold` re-checks (a list by a copy of its value)."""
         out = []
         for mod, name, value in self.read.values():
+            if name in _recomputed(mod):  # put back after the trace: what the program reads is the parameters
+                continue
             by_value = _plain(value)
             kept = list(value) if by_value and type(value) is list else value  # a list of numbers: its values now
             out.append((None if mod is root else mod.__dict__, name, kept, by_value))
