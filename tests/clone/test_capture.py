@@ -464,20 +464,6 @@ def test_noise_from_an_explicit_generator_is_drawn_as_in_eager_mode(how, reason)
     assert [p.gm is not None for p in capture.programs(model).values()] == [reason is None]
 
 
-class _Unfinished(nn.Module):
-    def forward(self, x):
-        raise NotImplementedError("this model's forward is not written yet")
-
-
-def test_a_forward_that_raises_not_implemented_raises_it_to_the_caller():
-    """The capture takes a tracer's NotImplementedError (an argument it cannot record) for a reason to run eagerly;
-    the forward's own is raised again by that eager run."""
-    with pytest.raises(NotImplementedError, match="not written yet"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", JVPCaptureWarning)
-            jvpreg.jvp(_Unfinished(), (randn(2, 3),), (randn(2, 3),), engine="captured")
-
-
 def test_dropout_program_is_checked_once_and_kept():
     """The generator check at capture keeps a plain dropout forward captured, and leaves the caller's generator where
     an eager call leaves it."""
