@@ -14,24 +14,31 @@ outside them:
   A write of an equal number, string or flag (``self.flag = True`` on every call) changes nothing and is allowed;
   so is a cache that torch's modules rebuild from their parameters (weight and spectral norm's ``module.weight``, an
   RNN's flat weights), which the trace's snapshot puts back. Changes inside a container (``self.log.append(h)``) are
-  not seen.
+  not seen. Objects that modules hold (a Hugging Face config) are snapshotted too: a forward that sets
+  ``self.config.x`` runs eagerly as well.
 
 The attributes a forward *reads* (``self.p`` of a dropout, ``self.eps``, ``self.stride``, a flag, a function) steer
 what the trace records, so the program holds for their values only. :class:`AttributeReads` records them during the
 trace (each module's class is swapped for a subclass whose ``__getattribute__`` notes instance attributes, and put
 back after); the capture re-checks them before every replay and recaptures where one changed: numbers, strings,
-flags, dtypes and tuples or lists of them by value, other objects by identity. Attributes of objects that modules
-hold (a Hugging Face config's fields) are not re-checked.
+flags, dtypes and tuples, lists or dicts of them by value, other objects by identity. A plain constant the forward reads
+from the module's class (``scale = 2.0`` in the class body) is re-checked in the class and must not be shadowed by
+the instance. An object held by a module that the forward reads (``self.config``, a Hugging Face config) has every
+field re-checked, not only the object: ``config.output_hidden_states = True`` after a capture recaptures. Lists and
+dicts of plain values are compared by value (an item set in place recaptures); other containers by identity only.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["Generators", "held_generators", "Attributes", "AttributeReads", "hold", "changed"]
+__all__ = ["Generators", "held_generators", "is_held_object", "held_objects", "Attributes", "AttributeReads", "hold",
+           "changed"]
 
 
 class Generators:
@@ -110,16 +117,39 @@ def _recomputed(mod: nn.Module) -> set:
     return names | _RNN_CACHES if isinstance(mod, nn.RNNBase) else names
 
 
+_NOT_HELD = (nn.Module, torch.Tensor, torch.Generator, type, types.FunctionType, types.MethodType,
+             types.BuiltinFunctionType, types.ModuleType, functools.partial)
+
+
+def is_held_object(value: Any) -> bool:
+    """An object with Python fields of its own (a config, a small settings object) that a module holds as an
+    attribute: its fields steer the forward like the module's own attributes."""
+    return hasattr(value, "__dict__") and isinstance(vars(value), dict) and not isinstance(value, _NOT_HELD)
+
+
+def held_objects(module: nn.Module) -> List[Tuple[str, Any]]:
+    """``(Type of the module . attribute, object)`` for each object (:func:`is_held_object`) that a module of
+    ``module`` holds, each once."""
+    seen: Dict[int, Tuple[str, Any]] = {}
+    for mod in module.modules():
+        for name, value in vars(mod).items():
+            if id(value) not in seen and is_held_object(value):
+                seen[id(value)] = (f"{type(mod).__name__}.{name}", value)
+    return list(seen.values())
+
+
 class Attributes:
     """A snapshot of the Python attributes (``vars``) of every module of ``module``, parameters and buffers
-    included (rebinding one is a write too)."""
+    included (rebinding one is a write too), and of the objects the modules hold (:func:`held_objects`)."""
 
     def __init__(self, module: nn.Module):
-        self.mods = list(module.named_modules(remove_duplicate=True))
+        self.mods = list(module.named_modules(remove_duplicate=True)) + held_objects(module)
         self.before = [self._attributes(mod) for _, mod in self.mods]
 
     @staticmethod
-    def _attributes(mod: nn.Module) -> Dict[Tuple[str, str], Any]:
+    def _attributes(mod: Any) -> Dict[Tuple[str, str], Any]:
+        if not isinstance(mod, nn.Module):
+            return {("", k): v for k, v in vars(mod).items()}
         out = {("", k): v for k, v in vars(mod).items() if k not in ("_parameters", "_buffers", "_modules")}
         out.update((("_parameters", k), v) for k, v in mod._parameters.items())
         out.update((("_buffers", k), v) for k, v in mod._buffers.items())
@@ -131,7 +161,7 @@ class Attributes:
         names = []
         for (prefix, mod), before in zip(self.mods, self.before):
             after = self._attributes(mod)
-            skip = _recomputed(mod)
+            skip = _recomputed(mod) if isinstance(mod, nn.Module) else ()
             for key in before.keys() | after.keys():
                 if key[1] in skip or _same(before.get(key, _MISSING), after.get(key, _MISSING)):
                     continue
@@ -150,11 +180,17 @@ class Attributes:
 
 
 _MACHINERY = frozenset(vars(nn.Module())) | {"__dict__", "__class__"}  # nn.Module's own state (``training``: guarded)
+_MODULE_CLASS = frozenset(name for cls in nn.Module.__mro__ for name in vars(cls))  # _compiled_call_impl, ...
 _RECORDING: Dict[type, type] = {}
 
 
 def _plain(value: Any) -> bool:
-    return isinstance(value, _PLAIN) or (isinstance(value, (tuple, list)) and all(_plain(v) for v in value))
+    """Compared by value: numbers, strings, flags, dtypes, and tuples, lists and dicts of them."""
+    if isinstance(value, _PLAIN):
+        return True
+    if type(value) is dict:
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
 
 
 def _recording_class(cls: type) -> type:
@@ -165,8 +201,11 @@ def _recording_class(cls: type) -> type:
             value = super(sub, self).__getattribute__(name)
             if name not in _MACHINERY and AttributeReads.active_recorder is not None:
                 own = object.__getattribute__(self, "__dict__")
-                if name in own and own[name] is value:
-                    AttributeReads.active_recorder.note(self, name, value)
+                if name in own:
+                    if own[name] is value:
+                        AttributeReads.active_recorder.note(self, name, value)
+                elif name not in _MODULE_CLASS and _plain(value):
+                    AttributeReads.active_recorder.note_class_constant(self, name, value)
             return value
 
         sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
@@ -183,10 +222,18 @@ class AttributeReads:
     def __init__(self, module: nn.Module):
         self.mods = list(module.modules())
         self.read: Dict[Tuple[int, str], Tuple[nn.Module, str, Any]] = {}
+        self.constants: Dict[Tuple[int, str], Tuple[nn.Module, str, Any, Any]] = {}
 
     def note(self, mod: nn.Module, name: str, value: Any) -> None:
         if not isinstance(value, torch.Tensor):  # tensors: inputs of the program, or its constants (checked apart)
             self.read.setdefault((id(mod), name), (mod, name, value))
+
+    def note_class_constant(self, mod: nn.Module, name: str, value: Any) -> None:
+        """A plain value read from the class body (not a property's result, not an attribute map's)."""
+        if (id(mod), name) not in self.constants:
+            owner = next((c for c in type(mod).__mro__ if name in vars(c)), None)
+            if owner is not None and vars(owner)[name] is value:
+                self.constants[(id(mod), name)] = (mod, name, value, vars(owner))
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -203,29 +250,42 @@ class AttributeReads:
             for mod, cls in swapped:
                 mod.__class__ = cls
 
-    def checks(self, root: nn.Module) -> Tuple[Tuple[Any, str, Any, bool], ...]:
-        """``(module __dict__ or None for the root, name, value, by value)`` per attribute read: what
-        :func:`hold` re-checks (a list by a copy of its value)."""
-        out = []
+    def checks(self, root: nn.Module) -> Tuple[Tuple[Any, str, Any, bool, str], ...]:
+        """``(where: a module's or held object's __dict__, a class's namespace, or None for the root's, name, value,
+        by value, label)`` per attribute read: what :func:`hold` re-checks (a list by a copy of its value)."""
+        out: List[Tuple[Any, str, Any, bool, str]] = []
+        held: set = set()
+
+        def add(where: Any, name: str, value: Any, label: str) -> None:
+            by_value = _plain(value)
+            kept = type(value)(value) if by_value and type(value) in (list, dict) else value  # its values now
+            out.append((where, name, kept, by_value, label))
+
         for mod, name, value in self.read.values():
             if name in _recomputed(mod):  # put back after the trace: what the program reads is the parameters
                 continue
-            by_value = _plain(value)
-            kept = list(value) if by_value and type(value) is list else value  # a list of numbers: its values now
-            out.append((None if mod is root else mod.__dict__, name, kept, by_value))
+            add(None if mod is root else mod.__dict__, name, value, name)
+            if is_held_object(value) and id(value) not in held:  # its fields steer the forward too
+                held.add(id(value))
+                for field, v in vars(value).items():
+                    add(vars(value), field, v, f"{name}.{field}")
+        for mod, name, value, namespace in self.constants.values():
+            add(None if mod is root else mod.__dict__, name, _MISSING, name)  # not shadowed by the instance
+            add(namespace, name, value, name)
         return tuple(out)
 
 
-def hold(root: nn.Module, checks: Tuple[Tuple[Any, str, Any, bool], ...]) -> bool:
+def hold(root: nn.Module, checks: Tuple[Tuple[Any, str, Any, bool, str], ...]) -> bool:
     """Every attribute in ``checks`` still has its value (by value) or object (by identity)."""
     own = root.__dict__
-    for d, name, value, by_value in checks:
+    for d, name, value, by_value, _ in checks:
         now = (own if d is None else d).get(name, _MISSING)
         if now is not value and not (by_value and type(now) is type(value) and now == value):
             return False
     return True
 
 
-def changed(root: nn.Module, checks: Tuple[Tuple[Any, str, Any, bool], ...]) -> List[str]:
-    """The names of the attributes in ``checks`` that no longer :func:`hold`."""
-    return sorted({name for check in checks if not hold(root, (check,)) for name in (check[1],)})
+def changed(root: nn.Module, checks: Tuple[Tuple[Any, str, Any, bool, str], ...]) -> List[str]:
+    """The names of the attributes in ``checks`` that no longer :func:`hold` (``config.field`` for a held
+    object's)."""
+    return sorted({check[4] for check in checks if not hold(root, (check,))})

@@ -210,26 +210,29 @@ def test_attributes_read_are_recorded_by_value_and_the_classes_are_put_back():
     _calls(model, randn(4, 6), randn(4, 6), "captured")
     assert [type(m) for m in model.modules()] == classes
     (prog,) = capture.programs(model).values()
-    read = {name: (value, by_value) for _, name, value, by_value in prog.reads}
+    read = {name: (value, by_value) for _, name, value, by_value, _ in prog.reads}
     assert read["negative_slope"] == (0.1, True) and read["eps"] == (1e-5, True)
     assert read["normalized_shape"] == ((8,), True) and read["residual"] == (False, True)
     assert read["act"] == (torch.tanh, False)  # a function: by identity
     assert "training" not in read and "_parameters" not in read  # nn.Module's own state: guarded apart
 
 
-def test_an_attribute_changed_on_every_call_runs_eagerly_after_a_few_recaptures(monkeypatch):
+@pytest.mark.parametrize("held", [False, True], ids=["module_attribute", "held_object_field"])
+def test_an_attribute_changed_on_every_call_runs_eagerly_after_a_few_recaptures(monkeypatch, held):
+    """The warning names the attribute: a module's own, or a field of an object it holds (``settings.slope``)."""
     monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
     capture._WARNED.clear()
-    model = _Configurable().to(D)
+    model = (_SteeredBySettings() if held else _Configurable()).to(D)
     x, u = randn(4, 6), randn(4, 6)
     said_all = []
     for i in range(capture.MAX_VARIANTS + 3):
-        model.leaky.negative_slope = 0.1 * (i + 1)
+        setattr(model.settings if held else model.leaky, "slope" if held else "negative_slope", 0.1 * (i + 1))
         _, t, said = _calls(model, x, u, "auto")
         said_all += said
         _, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
         torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
-    assert len(said_all) == 1 and "attributes its forward reads (negative_slope) change every few calls" in said_all[0]
+    name = "settings.slope" if held else "negative_slope"
+    assert len(said_all) == 1 and f"attributes its forward reads ({name}) change every few calls" in said_all[0]
     assert [p.gm is not None for p in capture.programs(model).values()] == [False]
 
 
@@ -265,3 +268,102 @@ def test_a_forward_that_raises_not_implemented_raises_it_and_its_trace_puts_the_
         warnings.simplefilter("ignore", JVPCaptureWarning)
         jvpreg.jvp(model, (randn(2, 6).float(),), (randn(2, 6).float(),), engine="captured")
     assert type(model) is Unfinished and type(model.lin) is nn.Linear
+
+
+class _Settings:
+    """A plain object a module holds (as a Hugging Face model holds its config)."""
+
+    def __init__(self):
+        self.slope, self.residual = 0.1, False
+        self.gains = {"out": 1.0}
+
+
+class _SteeredBySettings(nn.Module):
+    scale = 2.0  # a class constant the forward reads
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+        self.settings = _Settings()
+
+    def forward(self, x):
+        h = nn.functional.leaky_relu(self.lin(x), self.settings.slope) * (self.scale * self.settings.gains["out"])
+        return h + self.lin(x) if self.settings.residual else h
+
+
+@pytest.mark.parametrize("change", ["held_field", "held_flag", "held_dict_item", "shadowed_constant",
+                                    "class_constant"])
+def test_a_changed_field_of_a_held_object_or_class_constant_recaptures(change):
+    """Before: only the held object's identity and the instance's own attributes were re-checked (a slope changed in
+    the module's settings object: wrong JVP, silently)."""
+    torch.manual_seed(0)
+    model = _SteeredBySettings().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    for _ in range(2):
+        _calls(model, x, u, "captured")
+    if change == "held_field":
+        model.settings.slope = 0.3
+    elif change == "held_flag":
+        model.settings.residual = True
+    elif change == "held_dict_item":
+        model.settings.gains["out"] = 0.5  # in place: a dict of numbers is compared by value
+    elif change == "shadowed_constant":
+        model.scale = 3.0
+    try:
+        if change == "class_constant":
+            _SteeredBySettings.scale = 3.0
+        y, t, said = _calls(model, x, u, "captured")
+        y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    finally:
+        _SteeredBySettings.scale = 2.0
+    assert said == []
+    torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    (prog,) = capture.programs(model).values()
+    labels = {label for *_, label in prog.reads}
+    assert {"settings", "settings.slope", "settings.residual", "scale"} <= labels
+
+
+def test_a_forward_that_sets_a_field_of_a_held_object_runs_eagerly_and_sets_it_once_per_call():
+    class Counting(_SteeredBySettings):
+        def forward(self, x):
+            self.settings.calls = getattr(self.settings, "calls", 0) + 1
+            return super().forward(x)
+
+    model = Counting().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    said = []
+    for _ in range(3):
+        said += _calls(model, x, u, "captured")[2]
+    assert model.settings.calls == 3  # the trace's write was put back; each (eager) call wrote once
+    assert said and "sets Python attributes (Counting.settings.calls)" in said[0]
+
+
+def test_hugging_face_config_changed_after_a_capture_recaptures():
+    """``config.output_hidden_states`` steers a Hugging Face forward; before, a replay returned the old outputs (the
+    last layer's, 0.03 off). Now the call recaptures, and as Hugging Face then records the hidden states by forward
+    hooks, it runs eagerly."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16)
+    bert = transformers.BertModel(config).to(D).eval()
+
+    class FirstLayerOrLast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, e):
+            out = self.bert(inputs_embeds=e)
+            return out.hidden_states[1] if out.hidden_states is not None else out.last_hidden_state
+
+    model = FirstLayerOrLast()
+    x, u = randn(2, 5, 16), randn(2, 5, 16)
+    for _ in range(2):
+        _calls(model, x, u, "captured")
+    bert.config.output_hidden_states = True
+    y, t, said = _calls(model, x, u, "captured")
+    y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
