@@ -107,7 +107,8 @@ from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
 from .replay import replay_function
-from .side_effects import AttributeReads, Attributes, Generators, changed, held_generators, hold
+from .side_effects import (AttributeReads, Attributes, Generators, argument_checks, argument_objects, changed,
+                           held_generators, hold)
 from .passes import largest_magnitude, optimize
 from .tensor import _ANY_AUTOCAST, CloneTensor
 
@@ -232,7 +233,8 @@ def resolve_engine(engine: str, func: Any, where: str) -> str:
 @dataclass
 class _Program:
     gm: Optional[Callable]              # None: this signature runs in eager clone mode
-    keep: Tuple[Any, ...] = ()          # the plain parameters/buffers traced (alive, so equal ids = same objects)
+    keep: Tuple[Any, ...] = ()          # plain parameters/buffers traced, argument objects signed by identity (alive,
+                                        # so an equal id is the same object)
     attrs: Tuple[Any, ...] = ()         # (module __dict__, name, tensor): plain tensor attributes baked in
     reads: Tuple[Any, ...] = ()         # the other attributes the forward read (side_effects.AttributeReads.checks)
     out_spec: Any = None
@@ -593,7 +595,8 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     compiling = _tensor._COMPILING[0]  # compiled: never replayed, torch.compile reads the sub-programs
     checkpointed_regions.outline(gm, (lambda sub: sub) if compiling else replay_function, torch.is_grad_enabled(),
                                  n_in)
-    keep = tuple(v for v in slot_values if type(v) is not CloneTensor)
+    objects = argument_objects(leaves)  # signed by identity: kept alive, so an equal id is the same object
+    keep = tuple(v for v in slot_values if type(v) is not CloneTensor) + tuple(objects)
     spec = out_meta["spec"]
     flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
     replay = None if compiling else replay_function(gm)
@@ -602,7 +605,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                             generators, rng_start, rng_traced)
     return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
                     out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]), attrs=attrs,
-                    reads=attribute_reads.checks(rec.root()), guard=guard,
+                    reads=attribute_reads.checks(rec.root()) + argument_checks(objects), guard=guard,
                     replay=replay)
 
 

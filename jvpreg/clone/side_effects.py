@@ -26,6 +26,8 @@ from the module's class (``scale = 2.0`` in the class body) is re-checked in the
 the instance. An object held by a module that the forward reads (``self.config``, a Hugging Face config) has every
 field re-checked, not only the object: ``config.output_hidden_states = True`` after a capture recaptures. Lists and
 dicts of plain values are compared by value (an item set in place recaptures); other containers by identity only.
+An object passed to the forward as an argument (``forward(x, opts)``) that the call signature tells apart by
+identity has its fields re-checked the same way.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch
 from torch import nn
 
 __all__ = ["Generators", "held_generators", "is_held_object", "held_objects", "Attributes", "AttributeReads", "hold",
-           "changed"]
+           "changed", "keyed_by_identity", "argument_objects", "argument_checks"]
 
 
 class Generators:
@@ -255,24 +257,48 @@ class AttributeReads:
         by value, label)`` per attribute read: what :func:`hold` re-checks (a list by a copy of its value)."""
         out: List[Tuple[Any, str, Any, bool, str]] = []
         held: set = set()
-
-        def add(where: Any, name: str, value: Any, label: str) -> None:
-            by_value = _plain(value)
-            kept = type(value)(value) if by_value and type(value) in (list, dict) else value  # its values now
-            out.append((where, name, kept, by_value, label))
-
         for mod, name, value in self.read.values():
             if name in _recomputed(mod):  # put back after the trace: what the program reads is the parameters
                 continue
-            add(None if mod is root else mod.__dict__, name, value, name)
+            out.append(_check(None if mod is root else mod.__dict__, name, value, name))
             if is_held_object(value) and id(value) not in held:  # its fields steer the forward too
                 held.add(id(value))
-                for field, v in vars(value).items():
-                    add(vars(value), field, v, f"{name}.{field}")
+                out += _field_checks(value, name)
         for mod, name, value, namespace in self.constants.values():
-            add(None if mod is root else mod.__dict__, name, _MISSING, name)  # not shadowed by the instance
-            add(namespace, name, value, name)
+            out.append(_check(None if mod is root else mod.__dict__, name, _MISSING, name))  # not shadowed
+            out.append(_check(namespace, name, value, name))
         return tuple(out)
+
+
+def _check(where: Any, name: str, value: Any, label: str) -> Tuple[Any, str, Any, bool, str]:
+    by_value = _plain(value)
+    kept = type(value)(value) if by_value and type(value) in (list, dict) else value  # its values now
+    return where, name, kept, by_value, label
+
+
+def _field_checks(obj: Any, label: str) -> List[Tuple[Any, str, Any, bool, str]]:
+    return [_check(vars(obj), field, v, f"{label}.{field}") for field, v in vars(obj).items()]
+
+
+def keyed_by_identity(value: Any) -> bool:
+    """A call argument that a signature tells apart from others by identity only (unhashable, or equal only to
+    itself): its fields may change between calls with the same signature."""
+    try:
+        hash(value)
+    except TypeError:
+        return True
+    return type(value).__eq__ is object.__eq__
+
+
+def argument_objects(leaves: List[Any]) -> List[Any]:
+    """The call's arguments that are objects with fields (:func:`is_held_object`) told apart by identity."""
+    return [leaf for leaf in leaves if is_held_object(leaf) and keyed_by_identity(leaf)]
+
+
+def argument_checks(objects: List[Any]) -> Tuple[Tuple[Any, str, Any, bool, str], ...]:
+    """Every field of each argument object (``opts.slope`` of ``forward(x, opts)``), re-checked like the
+    attributes read: the program holds for their values when it was recorded."""
+    return tuple(check for obj in objects for check in _field_checks(obj, type(obj).__name__))
 
 
 def hold(root: nn.Module, checks: Tuple[Tuple[Any, str, Any, bool, str], ...]) -> bool:

@@ -367,3 +367,35 @@ def test_hugging_face_config_changed_after_a_capture_recaptures():
     y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
     torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+
+
+class _TakesSettings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+
+    def forward(self, x, settings):
+        return nn.functional.leaky_relu(self.lin(x), settings.slope) * settings.gains["out"]
+
+
+@pytest.mark.parametrize("change", ["field", "dict_item"])
+def test_a_changed_field_of_an_argument_object_recaptures(change):
+    """An object passed to the forward is told apart by identity; before, its fields were not re-checked (a slope
+    changed from 0.1 to 0.5 between calls: JVP off by 0.56, silently)."""
+    torch.manual_seed(0)
+    model, settings = _TakesSettings().to(D), _Settings()
+    x, u = randn(4, 6), randn(1, 4, 6)
+    (xs,), s = jvpreg.clone.pack((x,), (u,))
+    for _ in range(2):
+        jvpreg.clone.call(model, (xs, settings), engine="captured")
+    if change == "field":
+        settings.slope = 0.5
+    else:
+        settings.gains["out"] = 0.5
+    y = jvpreg.clone.unpack(jvpreg.clone.call(model, (xs, settings), engine="captured"), s)
+    y_e = jvpreg.clone.unpack(jvpreg.clone.call(model, (xs, settings), engine="eager"), s)
+    for a, b in zip(y, y_e):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    (prog,) = capture.programs(model).values()
+    assert settings in prog.keep  # alive: an equal id is this object
+    assert {"_Settings.slope", "_Settings.gains"} <= {label for *_, label in prog.reads}
