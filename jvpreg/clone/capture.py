@@ -42,7 +42,7 @@ parameter and buffer (a replaced tensor recaptures; a clone parameter, put in by
 its children (a swapped submodule recaptures), except on torch.nn leaves whose forward reads neither
 (``Linear``, ``ReLU``, ...: a third to a half of the guard's cost); plain tensor attributes of the modules
 that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode, autocast
-state, the fallback mode and the engine (``"compiled"`` records its own program). Forward hooks are
+state, the default dtype (factory ops such as ``torch.full`` without a dtype follow it), the fallback mode and the engine (``"compiled"`` records its own program). Forward hooks are
 rescanned whenever torch's hook-handle counter moved: a hook registered after a capture sends the module to
 eager clone mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
 
@@ -445,7 +445,7 @@ def _key(rec: _Record, call_id: Any, in_spec: Any, leaves: List[Any], slot_value
     sigs = tuple(map(_leaf_sig, leaves)) if finite is None else tuple(_leaf_sig(leaf, finite) for leaf in leaves)
     return (call_id, in_spec, sigs, slot_sig,
             rec.root_flagged and rec.root().training, tuple(map(_TRAINING, rec.flagged)), torch.is_grad_enabled(),
-            _autocast_state(),
+            _autocast_state(), torch.get_default_dtype(),  # factory ops without a dtype (torch.full, arange)
             _FALLBACK["mode"])
 
 

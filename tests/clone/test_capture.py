@@ -193,6 +193,34 @@ def test_cache_hit_and_recapture_on_changed_guards():
     assert len(capture.programs(model)) == 6
 
 
+class _ShiftedByAFactoryTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + torch.full((4,), 1 / 3)  # the default dtype: float64 promotes the output
+
+
+def test_a_changed_default_dtype_recaptures():
+    """Factory ops without a dtype follow ``torch.set_default_dtype``; before, a program recorded under float32
+    replayed its float32 promotion after the default became float64 (6e-8 off the eager call's output)."""
+    model = _ShiftedByAFactoryTensor()
+    x, u = torch.randn(3, 4), torch.randn(3, 4)
+    for _ in range(2):
+        jvpreg.jvp(model, (x,), (u,), engine="captured")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        y, t = jvpreg.jvp(model, (x,), (u,), engine="captured")
+        y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    finally:
+        torch.set_default_dtype(previous)
+    assert y.dtype == y_e.dtype == torch.float64 and len(capture.programs(model)) == 2
+    torch.testing.assert_close(y, y_e, rtol=0, atol=0)
+    torch.testing.assert_close(t, t_e, rtol=0, atol=0)
+
+
 def test_auto_runs_a_new_signature_eagerly_once_then_captures(monkeypatch):
     monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", DEFAULT_EAGER_CALLS)
     assert DEFAULT_EAGER_CALLS == 1
