@@ -42,9 +42,10 @@ parameter and buffer (a replaced tensor recaptures; a clone parameter, put in by
 its children (a swapped submodule recaptures), except on torch.nn leaves whose forward reads neither
 (``Linear``, ``ReLU``, ...: a third to a half of the guard's cost); plain tensor attributes of the modules
 that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode, autocast
-state, the default dtype (factory ops such as ``torch.full`` without a dtype follow it), the fallback mode and the engine (``"compiled"`` records its own program). Forward hooks are
-rescanned whenever torch's hook-handle counter moved: a hook registered after a capture sends the module to
-eager clone mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
+state, the default dtype (factory ops such as ``torch.full`` without a dtype follow it), the fallback mode
+and the engine (``"compiled"`` records its own program). Forward hooks are rescanned whenever torch's
+hook-handle counter moved: a hook registered after a capture sends the module to eager clone mode. A changed
+guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
 
 Measured cost of the guard on a cold cache (a replay follows other work, as in training): about 25 µs for
 a 20-layer MLP, 200 µs for MobileNetV3-small (209 modules, 278 tensors); the guard touches every module
@@ -77,8 +78,9 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
   strings and flags by value, other objects by identity, and every field of an object a module holds, such as a
   Hugging Face config; :class:`jvpreg.clone.side_effects.AttributeReads`), and a change recaptures (after
   :data:`MAX_VARIANTS` changes less than :data:`STEADY_REPLAYS` calls apart, eager clone mode with a warning).
-  Containers other than lists and dicts of plain values are re-checked by identity: after changing one in place,
-  call :func:`reset`.
+  Plain module globals that the model's code reads are re-checked too (:class:`jvpreg.clone.side_effects.Globals`),
+  and the fields of objects passed as arguments. Containers other than lists and dicts of plain values are
+  re-checked by identity: after changing one in place, call :func:`reset`.
 * Parameters and buffers are checked for infinities once, at capture: one that turns non-finite later
   (a diverged run) gives NaN tangents where the non-finite fix would give 0 (loud, never a wrong finite
   value); :func:`reset` recaptures.
@@ -107,8 +109,8 @@ from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
 from .replay import replay_function
-from .side_effects import (AttributeReads, Attributes, Generators, argument_checks, argument_objects, changed,
-                           held_generators, hold)
+from .side_effects import (AttributeReads, Attributes, Generators, Globals, argument_checks, argument_objects,
+                           changed, held_generators, hold)
 from .passes import largest_magnitude, optimize
 from .tensor import _ANY_AUTOCAST, CloneTensor
 
@@ -553,6 +555,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     inputs += [_phys(slot_values[j]) for j in slot_pos]
     device = next((t.device for t in inputs), torch.device("cpu"))
     generators, attributes, attribute_reads = Generators(module, device), Attributes(module), AttributeReads(module)
+    module_globals = Globals(module)
     with _restored_state(module, generators), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         generators.step()  # the trace's draws are thrown away: from a state no seed gives (see _check_rng_replayed)
@@ -562,11 +565,12 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
             with compiled_code.traced_through(), checkpointed_regions.recording(), attribute_reads.recording():
                 gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
         finally:
-            written = attributes.changed()
+            written = attributes.changed() + module_globals.changed()
             attributes.restore()  # as they were: a call that runs eagerly sets them once
+            module_globals.restore()
         rng_traced = generators.states()
     if written:
-        raise CaptureError(f"its forward sets Python attributes ({', '.join(written[:4])}"
+        raise CaptureError(f"its forward sets Python attributes or module globals ({', '.join(written[:4])}"
                            f"{' ...' if len(written) > 4 else ''}), which a replay would not set (if only its first "
                            "calls set them, e.g. a cache, call jvpreg.clone.capture.reset(model) after those)")
     if any(not generators.holds(g) for g in held_generators(gm)):
@@ -605,7 +609,8 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                             generators, rng_start, rng_traced)
     return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
                     out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]), attrs=attrs,
-                    reads=attribute_reads.checks(rec.root()) + argument_checks(objects), guard=guard,
+                    reads=attribute_reads.checks(rec.root()) + argument_checks(objects) + module_globals.checks(),
+                    guard=guard,
                     replay=replay)
 
 

@@ -21,18 +21,23 @@ The attributes a forward *reads* (``self.p`` of a dropout, ``self.eps``, ``self.
 what the trace records, so the program holds for their values only. :class:`AttributeReads` records them during the
 trace (each module's class is swapped for a subclass whose ``__getattribute__`` notes instance attributes, and put
 back after); the capture re-checks them before every replay and recaptures where one changed: numbers, strings,
-flags, dtypes and tuples, lists or dicts of them by value, other objects by identity. A plain constant the forward reads
-from the module's class (``scale = 2.0`` in the class body) is re-checked in the class and must not be shadowed by
-the instance. An object held by a module that the forward reads (``self.config``, a Hugging Face config) has every
-field re-checked, not only the object: ``config.output_hidden_states = True`` after a capture recaptures. Lists and
-dicts of plain values are compared by value (an item set in place recaptures); other containers by identity only.
-An object passed to the forward as an argument (``forward(x, opts)``) that the call signature tells apart by
-identity has its fields re-checked the same way.
+flags, dtypes and tuples, lists or dicts of them by value, other objects by identity. A plain constant the forward
+reads from the module's class (``scale = 2.0`` in the class body) is re-checked in the class and must not be
+shadowed by the instance. An object held by a module that the forward reads (``self.config``, a Hugging Face
+config) has every field re-checked, not only the object: ``config.output_hidden_states = True`` after a capture
+recaptures. Lists and dicts of plain values are compared by value (an item set in place recaptures); other
+containers by identity only. An object passed to the forward as an argument (``forward(x, opts)``) that the call
+signature tells apart by identity has its fields re-checked the same way, and so have the plain module globals the
+model's code reads (:class:`Globals`; a forward that rebinds one runs eagerly).
 """
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
+import os
+import sys
+import sysconfig
 import types
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -40,7 +45,7 @@ import torch
 from torch import nn
 
 __all__ = ["Generators", "held_generators", "is_held_object", "held_objects", "Attributes", "AttributeReads", "hold",
-           "changed", "keyed_by_identity", "argument_objects", "argument_checks"]
+           "changed", "keyed_by_identity", "argument_objects", "argument_checks", "Globals"]
 
 
 class Generators:
@@ -186,13 +191,17 @@ _MODULE_CLASS = frozenset(name for cls in nn.Module.__mro__ for name in vars(cls
 _RECORDING: Dict[type, type] = {}
 
 
+_MAX_ITEMS = 256  # a longer container (a lookup table) is compared by identity: a re-check per call stays cheap
+
+
 def _plain(value: Any) -> bool:
-    """Compared by value: numbers, strings, flags, dtypes, and tuples, lists and dicts of them."""
+    """Compared by value: numbers, strings, flags, dtypes, and tuples, lists and dicts of them (up to
+    :data:`_MAX_ITEMS` items)."""
     if isinstance(value, _PLAIN):
         return True
     if type(value) is dict:
-        return all(_plain(k) and _plain(v) for k, v in value.items())
-    return isinstance(value, (tuple, list)) and all(_plain(v) for v in value)
+        return len(value) <= _MAX_ITEMS and all(_plain(k) and _plain(v) for k, v in value.items())
+    return isinstance(value, (tuple, list)) and len(value) <= _MAX_ITEMS and all(_plain(v) for v in value)
 
 
 def _recording_class(cls: type) -> type:
@@ -214,6 +223,114 @@ def _recording_class(cls: type) -> type:
                                           "__qualname__": cls.__qualname__})
         _RECORDING[cls] = sub
     return sub
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.split(".")[0]]))
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_PACKAGES = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})  # may lie inside _STDLIB
+
+
+def _library(code: types.CodeType) -> bool:
+    """torch's, jvpreg's or the standard library's code: not the model's."""
+    f = code.co_filename
+    return f.startswith(_LIBRARY_DIRS) or (f.startswith(_STDLIB) and not f.startswith(_PACKAGES))
+
+_LOADED: Dict[types.CodeType, Tuple[str, ...]] = {}  # per code object: the globals it and its nested code load
+
+
+def _globals_loaded(code: types.CodeType) -> Tuple[str, ...]:
+    """The module globals ``code`` (and the comprehensions and functions nested in it) loads."""
+    names = _LOADED.get(code)
+    if names is None:
+        found = [i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"]
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                found += _globals_loaded(const)
+        names = _LOADED[code] = tuple(dict.fromkeys(found))
+    return names
+
+
+def _attributes_loaded(code: types.CodeType) -> Tuple[str, ...]:
+    """The attribute and method names ``code`` (and its nested code) loads (``self.helper(...)``: ``helper``)."""
+    names = [i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD")]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += _attributes_loaded(const)
+    return tuple(dict.fromkeys(names))
+
+
+def _method(cls: type, name: str) -> Any:
+    """The plain function behind ``cls.name`` (a method, static or class method, or property getter), or None."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            attr = vars(klass)[name]
+            attr = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+            return attr if isinstance(attr, types.FunctionType) else None
+    return None
+
+
+_MAX_HOPS = 2  # functions reached by global name from a forward, and those they call so: deeper is library code
+
+
+class Globals:
+    """The plain module globals (``USE_AUX = True``, ``SCALE = 0.5``) that the model's own Python code loads.
+
+    Found without running it: each module class's ``forward``, the methods of the class it names
+    (``self.helper(...)``), the code it wraps or closes over (a decorator's), and the functions it loads by global
+    name, up to :data:`_MAX_HOPS` calls deep; torch's, jvpreg's and the standard library's code is left out. A
+    program holds for their values: they are re-checked before every replay like the attributes read (a superset of
+    what one call reads: an unrelated global changed recaptures needlessly, never wrongly), and a forward that
+    rebinds one (``global CALLS; CALLS += 1``) runs eagerly.
+    Globals read only by code reached otherwise (a function held in a dict, a method of another module's object)
+    are not seen."""
+
+    def __init__(self, module: nn.Module):
+        seen: set = set()
+        found: Dict[Tuple[int, str], Tuple[dict, str, Any]] = {}
+        # (function, the module class whose methods it may call, global-name hops from a forward)
+        stack: List[Tuple[Any, Any, int]] = [(_method(cls, "forward"), cls, 0)
+                                             for cls in {type(m) for m in module.modules()}]
+        while stack:
+            fn, cls, hops = stack.pop()
+            if not isinstance(fn, types.FunctionType) or (id(fn), cls) in seen or _library(fn.__code__):
+                continue
+            seen.add((id(fn), cls))
+            g = fn.__globals__
+            for name in _globals_loaded(fn.__code__):
+                value = g.get(name, _MISSING)
+                if isinstance(value, types.FunctionType):
+                    if hops < _MAX_HOPS:
+                        stack.append((value, None, hops + 1))
+                elif value is not _MISSING and _plain(value):
+                    found.setdefault((id(g), name), (g, name, value))
+            if cls is not None:  # self.helper(...): the class's own methods
+                stack += [(_method(cls, name), cls, hops) for name in _attributes_loaded(fn.__code__)]
+            inner = (getattr(fn, "__wrapped__", None), *(c.cell_contents for c in fn.__closure__ or () if _filled(c)))
+            stack += [(f, cls, hops) for f in inner if isinstance(f, types.FunctionType)]  # decorators' wrapped code
+        self.read = list(found.values())
+
+    @staticmethod
+    def _label(g: dict, name: str) -> str:
+        return f"{g.get('__name__', '?')}.{name}"
+
+    def changed(self) -> List[str]:
+        """The globals rebound since :meth:`__init__` (to another value)."""
+        return sorted(self._label(g, n) for g, n, v in self.read if not _same(v, g.get(n, _MISSING)))
+
+    def restore(self) -> None:
+        for g, name, value in self.read:
+            g[name] = value
+
+    def checks(self) -> Tuple[Tuple[Any, str, Any, bool, str], ...]:
+        return tuple(_check(g, name, value, self._label(g, name)) for g, name, value in self.read)
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 class AttributeReads:

@@ -57,7 +57,7 @@ def test_forward_that_sets_attributes_runs_eagerly_and_sets_them_as_eager_calls_
         y_e, t_e = jvpreg.jvp(eager, (x,), (u,), engine="eager")
         y_c, t_c, said = _calls(model, x, u, "captured")
         if call == 0:
-            assert len(said) == 1 and "sets Python attributes (_Recording.calls, head.last)" in said[0], said
+            assert len(said) == 1 and "sets Python attributes or module globals (_Recording.calls, head.last)" in said[0], said
         else:
             assert said == []
         torch.testing.assert_close(y_c, y_e, rtol=0, atol=0)
@@ -336,7 +336,7 @@ def test_a_forward_that_sets_a_field_of_a_held_object_runs_eagerly_and_sets_it_o
     for _ in range(3):
         said += _calls(model, x, u, "captured")[2]
     assert model.settings.calls == 3  # the trace's write was put back; each (eager) call wrote once
-    assert said and "sets Python attributes (Counting.settings.calls)" in said[0]
+    assert said and "sets Python attributes or module globals (Counting.settings.calls)" in said[0]
 
 
 def test_hugging_face_config_changed_after_a_capture_recaptures():
@@ -399,3 +399,57 @@ def test_a_changed_field_of_an_argument_object_recaptures(change):
     (prog,) = capture.programs(model).values()
     assert settings in prog.keep  # alive: an equal id is this object
     assert {"_Settings.slope", "_Settings.gains"} <= {label for *_, label in prog.reads}
+
+
+SLOPE, GAIN, CALLS = 0.1, 1.0, 0  # module globals the forwards below read (and one writes)
+
+
+def _gained(h):
+    return h * GAIN
+
+
+class _SteeredByGlobals(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+
+    def _activation(self, h):
+        return nn.functional.leaky_relu(h, SLOPE)
+
+    def forward(self, x):
+        return _gained(self._activation(self.lin(x)))
+
+
+@pytest.mark.parametrize("name", ["SLOPE", "GAIN"])
+def test_a_changed_module_global_that_the_forward_reads_recaptures(name, monkeypatch):
+    """SLOPE is read by a method the forward calls (``self._activation``), GAIN by a function it calls; before,
+    neither was re-checked (a replay kept the capturing call's value, silently)."""
+    torch.manual_seed(0)
+    model = _SteeredByGlobals().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    for _ in range(2):
+        _calls(model, x, u, "captured")
+    monkeypatch.setitem(globals(), name, 0.5)
+    y, t, said = _calls(model, x, u, "captured")
+    y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    assert said == []
+    torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    (prog,) = capture.programs(model).values()
+    assert {f"{__name__}.SLOPE", f"{__name__}.GAIN"} <= {label for *_, label in prog.reads}
+
+
+def test_a_forward_that_rebinds_a_module_global_runs_eagerly_and_rebinds_it_once_per_call(monkeypatch):
+    class Counting(_SteeredByGlobals):
+        def forward(self, x):
+            global CALLS
+            CALLS += 1
+            return super().forward(x)
+
+    monkeypatch.setitem(globals(), "CALLS", 0)
+    model = Counting().to(D)
+    said = []
+    for _ in range(3):
+        said += _calls(model, randn(4, 6), randn(4, 6), "captured")[2]
+    assert CALLS == 3  # the trace's write was put back; each (eager) call wrote once
+    assert said and f"module globals ({__name__}.CALLS)" in said[0]
