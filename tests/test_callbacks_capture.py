@@ -67,3 +67,33 @@ def test_regularizers_must_agree_on_the_engine():
 def test_engine_is_validated_at_construction():
     with pytest.raises(ValueError, match="engine"):
         JacobianRegularizer(weight=0.5, engine="turbo")
+
+
+class _EpochScheduled(Lit):
+    """A forward that reads the Trainer's state (a schedule by epoch), as curriculum models do."""
+
+    def forward(self, x):
+        return self.net(x) * (10.0 if self.current_epoch >= 1 else 1.0)
+
+
+def test_a_forward_that_reads_the_epoch_recaptures_when_it_changes():
+    """``current_epoch`` is ``trainer.fit_loop.epoch_progress.current.completed``: before, only the trainer object
+    was re-checked, and the program captured in epoch 0 kept scaling by 1 in epoch 1 (penalty gradients 100x off,
+    silently)."""
+    torch.manual_seed(0)
+    net = cnn_bn().to(F64)
+    runs = {}
+    for engine in ("auto", "eager"):
+        torch.manual_seed(0)
+        lit = _EpochScheduled(copy.deepcopy(net)).to(F64)
+        grads = GradCapture()
+        make_trainer([JacobianRegularizer(weight=0.5, seed=0, engine=engine), grads], max_steps=4).fit(lit, _loader())
+        runs[engine] = (lit, grads.grads)
+    (lit, grads), (_, grads_e) = runs["auto"], runs["eager"]
+    assert len(grads) == len(grads_e) == 4  # two steps in each of two epochs
+    for step, (g, g_e) in enumerate(zip(grads, grads_e)):
+        for name, value in g_e.items():
+            torch.testing.assert_close(g[name], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"step {step} {name}: {m}")
+    (prog,) = capture.programs(lit).values()
+    assert prog.gm is not None
+    assert "_trainer.fit_loop.epoch_progress.current.completed" in {label for *_, label in prog.reads}

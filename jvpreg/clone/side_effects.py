@@ -23,17 +23,21 @@ trace (each module's class is swapped for a subclass whose ``__getattribute__`` 
 back after); the capture re-checks them before every replay and recaptures where one changed: numbers, strings,
 flags, dtypes and tuples, lists or dicts of them by value, other objects by identity. A plain constant the forward
 reads from the module's class (``scale = 2.0`` in the class body) is re-checked in the class and must not be
-shadowed by the instance. An object held by a module that the forward reads (``self.config``, a Hugging Face
-config) has every field re-checked, not only the object: ``config.output_hidden_states = True`` after a capture
-recaptures. Lists and dicts of plain values are compared by value (an item set in place recaptures); other
-containers by identity only. An object passed to the forward as an argument (``forward(x, opts)``) that the call
-signature tells apart by identity has its fields re-checked the same way, and so have the plain module globals the
-model's code reads (:class:`Globals`; a forward that rebinds one runs eagerly).
+shadowed by the instance. An object the forward reaches through a module (``self.trainer``, ``self.config``) is
+given a recording class too, when first read, so the whole chain of reads is re-checked (``self.current_epoch`` of
+a LightningModule: ``trainer.fit_loop.epoch_progress.current.completed``); one that cannot take one (a Hugging Face
+config, whose attribute map hides which field a name reads) has every field re-checked:
+``config.output_hidden_states = True`` after a capture recaptures. Lists and dicts of plain values are compared by
+value (an item set in place recaptures); other containers by identity only. An object passed to the forward as an
+argument (``forward(x, opts)``) that the call signature tells apart by identity has its fields re-checked the same
+way, and so have the plain module globals the model's code reads (:class:`Globals`; a forward that rebinds one runs
+eagerly).
 """
 from __future__ import annotations
 
 import contextlib
 import dis
+import enum
 import functools
 import os
 import sys
@@ -205,17 +209,22 @@ def _plain(value: Any) -> bool:
 
 
 def _recording_class(cls: type) -> type:
-    """``cls`` with a ``__getattribute__`` that reports the instance attributes read to the active recorder."""
+    """``cls`` with a ``__getattribute__`` that reports the instance attributes read to the active recorder (a
+    module's own state, :data:`_MACHINERY`, left out)."""
     sub = _RECORDING.get(cls)
     if sub is None:
+        module = issubclass(cls, nn.Module)
+        skip = _MACHINERY if module else frozenset({"__dict__", "__class__"})
+        class_skip = _MODULE_CLASS if module else frozenset(vars(object))
+
         def __getattribute__(self, name):
             value = super(sub, self).__getattribute__(name)
-            if name not in _MACHINERY and AttributeReads.active_recorder is not None:
+            if name not in skip and AttributeReads.active_recorder is not None:
                 own = object.__getattribute__(self, "__dict__")
                 if name in own:
                     if own[name] is value:
                         AttributeReads.active_recorder.note(self, name, value)
-                elif name not in _MODULE_CLASS and _plain(value):
+                elif name not in class_skip and _plain(value):
                     AttributeReads.active_recorder.note_class_constant(self, name, value)
             return value
 
@@ -223,6 +232,19 @@ def _recording_class(cls: type) -> type:
                                           "__qualname__": cls.__qualname__})
         _RECORDING[cls] = sub
     return sub
+
+
+def _swap_in_recording_class(obj: Any) -> bool:
+    """Give a held object its recording class (False where it cannot take one: an enum member, a class with its
+    own ``__getattribute__`` such as a Hugging Face config's attribute map, a C type's layout)."""
+    cls = type(obj)
+    if cls.__getattribute__ is not object.__getattribute__ or isinstance(obj, enum.Enum):
+        return False
+    try:
+        object.__setattr__(obj, "__class__", _recording_class(cls))
+    except TypeError:
+        return False
+    return True
 
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.split(".")[0]]))
@@ -334,56 +356,74 @@ def _filled(cell: types.CellType) -> bool:
 
 
 class AttributeReads:
-    """The instance attributes of a model's modules that a forward reads while :meth:`recording`."""
+    """The instance attributes that a forward reads while :meth:`recording`: of the model's modules, and of the
+    objects it reaches through them (``self.trainer.fit_loop.epoch_progress.current.completed``, read by a
+    LightningModule's ``current_epoch``): an object is given a recording class when it is first read, and the
+    chain of reads to each value is re-checked (the objects by identity, the value read at its end by value).
+    An object that cannot take a recording class has every field re-checked instead."""
 
     active_recorder: "AttributeReads | None" = None
 
     def __init__(self, module: nn.Module):
         self.mods = list(module.modules())
-        self.read: Dict[Tuple[int, str], Tuple[nn.Module, str, Any]] = {}
-        self.constants: Dict[Tuple[int, str], Tuple[nn.Module, str, Any, Any]] = {}
+        self.read: Dict[Tuple[int, str], Tuple[Any, str, Any]] = {}
+        self.constants: Dict[Tuple[int, str], Tuple[Any, str, Any, Any]] = {}
+        self.labels: Dict[int, str] = {}     # a held object read: the chain of names that reached it
+        self.whole: Dict[int, Any] = {}      # held objects that could not take a recording class: every field
+        self._swapped: List[Tuple[Any, type]] = []
 
-    def note(self, mod: nn.Module, name: str, value: Any) -> None:
-        if not isinstance(value, torch.Tensor):  # tensors: inputs of the program, or its constants (checked apart)
-            self.read.setdefault((id(mod), name), (mod, name, value))
+    def _label(self, owner: Any, name: str) -> str:
+        parent = self.labels.get(id(owner))
+        return name if parent is None else f"{parent}.{name}"
 
-    def note_class_constant(self, mod: nn.Module, name: str, value: Any) -> None:
+    def note(self, owner: Any, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):  # tensors: inputs of the program, or its constants (checked apart)
+            return
+        if self.read.setdefault((id(owner), name), (owner, name, value))[2] is value and is_held_object(value) \
+                and id(value) not in self.labels:
+            self.labels[id(value)] = self._label(owner, name)
+            cls = type(value)
+            if _swap_in_recording_class(value):
+                self._swapped.append((value, cls))
+            else:
+                self.whole[id(value)] = value
+
+    def note_class_constant(self, owner: Any, name: str, value: Any) -> None:
         """A plain value read from the class body (not a property's result, not an attribute map's)."""
-        if (id(mod), name) not in self.constants:
-            owner = next((c for c in type(mod).__mro__ if name in vars(c)), None)
-            if owner is not None and vars(owner)[name] is value:
-                self.constants[(id(mod), name)] = (mod, name, value, vars(owner))
+        if (id(owner), name) not in self.constants:
+            owner_cls = next((c for c in type(owner).__mro__ if name in vars(c)), None)
+            if owner_cls is not None and vars(owner_cls)[name] is value:
+                self.constants[(id(owner), name)] = (owner, name, value, vars(owner_cls))
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        swapped = []
         outer, AttributeReads.active_recorder = AttributeReads.active_recorder, self
         try:
             for mod in self.mods:
                 cls = type(mod)
                 mod.__class__ = _recording_class(cls)
-                swapped.append((mod, cls))
+                self._swapped.append((mod, cls))
             yield
         finally:
             AttributeReads.active_recorder = outer
-            for mod, cls in swapped:
-                mod.__class__ = cls
+            for obj, cls in reversed(self._swapped):
+                object.__setattr__(obj, "__class__", cls)
+            self._swapped.clear()
 
     def checks(self, root: nn.Module) -> Tuple[Tuple[Any, str, Any, bool, str], ...]:
         """``(where: a module's or held object's __dict__, a class's namespace, or None for the root's, name, value,
         by value, label)`` per attribute read: what :func:`hold` re-checks (a list by a copy of its value)."""
         out: List[Tuple[Any, str, Any, bool, str]] = []
-        held: set = set()
-        for mod, name, value in self.read.values():
-            if name in _recomputed(mod):  # put back after the trace: what the program reads is the parameters
-                continue
-            out.append(_check(None if mod is root else mod.__dict__, name, value, name))
-            if is_held_object(value) and id(value) not in held:  # its fields steer the forward too
-                held.add(id(value))
-                out += _field_checks(value, name)
-        for mod, name, value, namespace in self.constants.values():
-            out.append(_check(None if mod is root else mod.__dict__, name, _MISSING, name))  # not shadowed
-            out.append(_check(namespace, name, value, name))
+        for owner, name, value in self.read.values():
+            if isinstance(owner, nn.Module) and name in _recomputed(owner):  # put back after the trace: the
+                continue  # program reads the parameters themselves
+            out.append(_check(None if owner is root else vars(owner), name, value, self._label(owner, name)))
+        for obj in self.whole.values():  # its fields steer the forward too
+            out += _field_checks(obj, self.labels[id(obj)])
+        for owner, name, value, namespace in self.constants.values():
+            label = self._label(owner, name)
+            out.append(_check(None if owner is root else vars(owner), name, _MISSING, label))  # not shadowed
+            out.append(_check(namespace, name, value, label))
         return tuple(out)
 
 
