@@ -109,8 +109,8 @@ from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
 from .replay import replay_function
-from .side_effects import (AttributeReads, Attributes, Generators, Globals, argument_checks, argument_objects,
-                           changed, held_generators, hold)
+from .side_effects import (AttributeReads, Attributes, Generators, Globals, argument_objects, changed,
+                           held_generators, hold)
 from .passes import largest_magnitude, optimize
 from .tensor import _ANY_AUTOCAST, CloneTensor
 
@@ -554,7 +554,9 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     inputs = [c.requires_grad_(leaves[i].requires_grad) for c, i in zip(copies, clone_pos)]
     inputs += [_phys(slot_values[j]) for j in slot_pos]
     device = next((t.device for t in inputs), torch.device("cpu"))
-    generators, attributes, attribute_reads = Generators(module, device), Attributes(module), AttributeReads(module)
+    objects = argument_objects(leaves)  # signed by identity: kept alive, so an equal id is the same object
+    generators, attributes = Generators(module, device), Attributes(module)
+    attribute_reads = AttributeReads(module, objects)  # the objects passed in are read like the modules
     module_globals = Globals(module)
     with _restored_state(module, generators), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
@@ -599,7 +601,6 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     compiling = _tensor._COMPILING[0]  # compiled: never replayed, torch.compile reads the sub-programs
     checkpointed_regions.outline(gm, (lambda sub: sub) if compiling else replay_function, torch.is_grad_enabled(),
                                  n_in)
-    objects = argument_objects(leaves)  # signed by identity: kept alive, so an equal id is the same object
     keep = tuple(v for v in slot_values if type(v) is not CloneTensor) + tuple(objects)
     spec = out_meta["spec"]
     flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
@@ -609,7 +610,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                             generators, rng_start, rng_traced)
     return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
                     out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]), attrs=attrs,
-                    reads=attribute_reads.checks(rec.root()) + argument_checks(objects) + module_globals.checks(),
+                    reads=attribute_reads.checks(rec.root()) + module_globals.checks(),
                     guard=guard,
                     replay=replay)
 

@@ -29,9 +29,9 @@ a LightningModule: ``trainer.fit_loop.epoch_progress.current.completed``); one t
 config, whose attribute map hides which field a name reads) has every field re-checked:
 ``config.output_hidden_states = True`` after a capture recaptures. Lists and dicts of plain values are compared by
 value (an item set in place recaptures); other containers by identity only. An object passed to the forward as an
-argument (``forward(x, opts)``) that the call signature tells apart by identity has its fields re-checked the same
-way, and so have the plain module globals the model's code reads (:class:`Globals`; a forward that rebinds one runs
-eagerly).
+argument (``forward(x, opts)``) that the call signature tells apart by identity is read the same way (its chain of
+reads re-checked: ``opts.inner.shift``), and the plain module globals the model's code reads are re-checked too
+(:class:`Globals`; a forward that rebinds one runs eagerly).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 __all__ = ["Generators", "held_generators", "is_held_object", "held_objects", "Attributes", "AttributeReads", "hold",
-           "changed", "keyed_by_identity", "argument_objects", "argument_checks", "Globals"]
+           "changed", "keyed_by_identity", "argument_objects", "Globals"]
 
 
 class Generators:
@@ -364,8 +364,9 @@ class AttributeReads:
 
     active_recorder: "AttributeReads | None" = None
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, arguments: List[Any] = ()):
         self.mods = list(module.modules())
+        self.arguments = list(arguments)     # objects passed to the forward (argument_objects): read like held ones
         self.read: Dict[Tuple[int, str], Tuple[Any, str, Any]] = {}
         self.constants: Dict[Tuple[int, str], Tuple[Any, str, Any, Any]] = {}
         self.labels: Dict[int, str] = {}     # a held object read: the chain of names that reached it
@@ -379,14 +380,18 @@ class AttributeReads:
     def note(self, owner: Any, name: str, value: Any) -> None:
         if isinstance(value, torch.Tensor):  # tensors: inputs of the program, or its constants (checked apart)
             return
-        if self.read.setdefault((id(owner), name), (owner, name, value))[2] is value and is_held_object(value) \
-                and id(value) not in self.labels:
-            self.labels[id(value)] = self._label(owner, name)
-            cls = type(value)
-            if _swap_in_recording_class(value):
-                self._swapped.append((value, cls))
+        if self.read.setdefault((id(owner), name), (owner, name, value))[2] is value and is_held_object(value):
+            self._watch(value, self._label(owner, name))
+
+    def _watch(self, obj: Any, label: str) -> None:
+        """Record the reads of ``obj`` from now on (its recording class), or re-check all its fields."""
+        if id(obj) not in self.labels:
+            self.labels[id(obj)] = label
+            cls = type(obj)
+            if _swap_in_recording_class(obj):
+                self._swapped.append((obj, cls))
             else:
-                self.whole[id(value)] = value
+                self.whole[id(obj)] = obj
 
     def note_class_constant(self, owner: Any, name: str, value: Any) -> None:
         """A plain value read from the class body (not a property's result, not an attribute map's)."""
@@ -403,6 +408,8 @@ class AttributeReads:
                 cls = type(mod)
                 mod.__class__ = _recording_class(cls)
                 self._swapped.append((mod, cls))
+            for obj in self.arguments:
+                self._watch(obj, type(obj).__name__)
             yield
         finally:
             AttributeReads.active_recorder = outer
@@ -452,10 +459,6 @@ def argument_objects(leaves: List[Any]) -> List[Any]:
     return [leaf for leaf in leaves if is_held_object(leaf) and keyed_by_identity(leaf)]
 
 
-def argument_checks(objects: List[Any]) -> Tuple[Tuple[Any, str, Any, bool, str], ...]:
-    """Every field of each argument object (``opts.slope`` of ``forward(x, opts)``), re-checked like the
-    attributes read: the program holds for their values when it was recorded."""
-    return tuple(check for obj in objects for check in _field_checks(obj, type(obj).__name__))
 
 
 def hold(root: nn.Module, checks: Tuple[Tuple[Any, str, Any, bool, str], ...]) -> bool:

@@ -270,12 +270,18 @@ def test_a_forward_that_raises_not_implemented_raises_it_and_its_trace_puts_the_
     assert type(model) is Unfinished and type(model.lin) is nn.Linear
 
 
+class _Offset:
+    def __init__(self):
+        self.shift = 0.0
+
+
 class _Settings:
     """A plain object a module holds (as a Hugging Face model holds its config)."""
 
     def __init__(self):
         self.slope, self.residual = 0.1, False
         self.gains = {"out": 1.0}
+        self.inner = _Offset()
 
 
 class _SteeredBySettings(nn.Module):
@@ -375,10 +381,10 @@ class _TakesSettings(nn.Module):
         self.lin = nn.Linear(6, 8)
 
     def forward(self, x, settings):
-        return nn.functional.leaky_relu(self.lin(x), settings.slope) * settings.gains["out"]
+        return nn.functional.leaky_relu(self.lin(x), settings.slope) * settings.gains["out"] + settings.inner.shift
 
 
-@pytest.mark.parametrize("change", ["field", "dict_item"])
+@pytest.mark.parametrize("change", ["field", "dict_item", "nested_field"])
 def test_a_changed_field_of_an_argument_object_recaptures(change):
     """An object passed to the forward is told apart by identity; before, its fields were not re-checked (a slope
     changed from 0.1 to 0.5 between calls: JVP off by 0.56, silently)."""
@@ -390,15 +396,17 @@ def test_a_changed_field_of_an_argument_object_recaptures(change):
         jvpreg.clone.call(model, (xs, settings), engine="captured")
     if change == "field":
         settings.slope = 0.5
-    else:
+    elif change == "dict_item":
         settings.gains["out"] = 0.5
+    else:
+        settings.inner.shift = 0.5
     y = jvpreg.clone.unpack(jvpreg.clone.call(model, (xs, settings), engine="captured"), s)
     y_e = jvpreg.clone.unpack(jvpreg.clone.call(model, (xs, settings), engine="eager"), s)
     for a, b in zip(y, y_e):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     (prog,) = capture.programs(model).values()
     assert settings in prog.keep  # alive: an equal id is this object
-    assert {"_Settings.slope", "_Settings.gains"} <= {label for *_, label in prog.reads}
+    assert {"_Settings.slope", "_Settings.gains", "_Settings.inner.shift"} <= {label for *_, label in prog.reads}
 
 
 SLOPE, GAIN, CALLS = 0.1, 1.0, 0  # module globals the forwards below read (and one writes)
