@@ -236,13 +236,14 @@ def _recording_class(cls: type) -> type:
 
 def _swap_in_recording_class(obj: Any) -> bool:
     """Give a held object its recording class (False where it cannot take one: an enum member, a class with its
-    own ``__getattribute__`` such as a Hugging Face config's attribute map, a C type's layout)."""
+    own ``__getattribute__`` such as a Hugging Face config's attribute map, a C type's layout, a class whose
+    ``__init_subclass__`` refuses a subclass)."""
     cls = type(obj)
     if cls.__getattribute__ is not object.__getattribute__ or isinstance(obj, enum.Enum):
         return False
     try:
         object.__setattr__(obj, "__class__", _recording_class(cls))
-    except TypeError:
+    except Exception:  # noqa: BLE001  (its fields are all re-checked instead)
         return False
     return True
 
@@ -406,7 +407,12 @@ class AttributeReads:
         try:
             for mod in self.mods:
                 cls = type(mod)
-                mod.__class__ = _recording_class(cls)
+                try:
+                    mod.__class__ = _recording_class(cls)
+                except Exception:  # noqa: BLE001  (a class whose __init_subclass__ refuses: all fields re-checked)
+                    self.labels[id(mod)] = cls.__name__
+                    self.whole[id(mod)] = mod
+                    continue
                 self._swapped.append((mod, cls))
             for obj in self.arguments:
                 self._watch(obj, type(obj).__name__)

@@ -461,3 +461,73 @@ def test_a_forward_that_rebinds_a_module_global_runs_eagerly_and_rebinds_it_once
         said += _calls(model, randn(4, 6), randn(4, 6), "captured")[2]
     assert CALLS == 3  # the trace's write was put back; each (eager) call wrote once
     assert said and f"module globals ({__name__}.CALLS)" in said[0]
+
+
+class _Sealed:
+    """Refuses subclasses, as some registries' base classes do: it cannot take a recording class."""
+
+    def __init_subclass__(cls, **kwargs):
+        raise ValueError("no subclasses")
+
+    def __init__(self):
+        self.slope = 0.1
+
+
+@pytest.mark.parametrize("held", ["sealed", "enum"])
+def test_a_held_object_that_cannot_take_a_recording_class_has_every_field_re_checked(held):
+    import enum
+
+    class Mode(enum.Enum):
+        SOFT = 0.1
+        HARD = 0.3
+
+    class Steered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 8)
+            self.settings = _Sealed() if held == "sealed" else Mode.SOFT
+
+        def forward(self, x):
+            slope = self.settings.slope if held == "sealed" else self.settings.value
+            return nn.functional.leaky_relu(self.lin(x), slope)
+
+    model = Steered().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    for _ in range(2):
+        assert _calls(model, x, u, "captured")[2] == []
+    (prog,) = capture.programs(model).values()
+    assert prog.gm is not None and type(model.settings) in (_Sealed, Mode)
+    if held == "sealed":
+        model.settings.slope = 0.3
+    else:
+        model.settings = Mode.HARD  # an enum member is compared by identity
+    _, t, said = _calls(model, x, u, "captured")
+    _, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    assert said == []
+    torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+
+
+class _SealedModule(nn.Module):
+    def __init_subclass__(cls, **kwargs):
+        raise ValueError("no subclasses")
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.slope = nn.Linear(6, 8), 0.1
+
+    def forward(self, x):
+        return nn.functional.leaky_relu(self.lin(x), self.slope)
+
+
+def test_a_module_that_cannot_take_a_recording_class_is_captured_with_every_field_re_checked():
+    """Before: the trace raised the class's ValueError to the caller."""
+    model = _SealedModule().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    for _ in range(2):
+        assert _calls(model, x, u, "captured")[2] == []
+    model.slope = 0.3
+    _, t, said = _calls(model, x, u, "captured")
+    _, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    assert said == [] and type(model) is _SealedModule
+    torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    assert [p.gm is not None for p in capture.programs(model).values()] == [True]
