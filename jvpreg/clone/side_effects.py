@@ -25,13 +25,14 @@ flags, dtypes and tuples, lists or dicts of them by value, other objects by iden
 reads from the module's class (``scale = 2.0`` in the class body) is re-checked in the class and must not be
 shadowed by the instance. An object the forward reaches through a module (``self.trainer``, ``self.config``) is
 given a recording class too, when first read, so the whole chain of reads is re-checked (``self.current_epoch`` of
-a LightningModule: ``trainer.fit_loop.epoch_progress.current.completed``); one that cannot take one (a Hugging Face
-config, whose attribute map hides which field a name reads) has every field re-checked:
-``config.output_hidden_states = True`` after a capture recaptures. Lists and dicts of plain values are compared by
-value (an item set in place recaptures); other containers by identity only. An object passed to the forward as an
-argument (``forward(x, opts)``) that the call signature tells apart by identity is read the same way (its chain of
-reads re-checked: ``opts.inner.shift``), and the plain module globals the model's code reads are re-checked too
-(:class:`Globals`; a forward that rebinds one runs eagerly).
+a LightningModule: ``trainer.fit_loop.epoch_progress.current.completed``); values that an object's ``__getattr__``
+computes (a Lightning ``self.hparams.lr``, an OmegaConf key) are asked again before every replay; an object that
+cannot take a recording class (a Hugging Face config, whose attribute map hides which field a name reads) has every
+field re-checked: ``config.output_hidden_states = True`` after a capture recaptures. Lists and dicts of plain
+values are compared by value (an item set in place recaptures); other containers by identity only. An object passed
+to the forward as an argument (``forward(x, opts)``) that the call signature tells apart by identity is read the
+same way (its chain of reads re-checked: ``opts.inner.shift``), and the plain module globals the model's code reads
+are re-checked too (:class:`Globals`; a forward that rebinds one runs eagerly).
 """
 from __future__ import annotations
 
@@ -228,10 +229,37 @@ def _recording_class(cls: type) -> type:
                     AttributeReads.active_recorder.note_class_constant(self, name, value)
             return value
 
-        sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__": cls.__module__,
-                                          "__qualname__": cls.__qualname__})
+        namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__,
+                     "__qualname__": cls.__qualname__}
+        if not module and hasattr(cls, "__getattr__"):  # values computed by the class (an AttributeDict's items)
+            def __getattr__(self, name):
+                recorder = AttributeReads.active_recorder
+                try:
+                    value = super(sub, self).__getattr__(name)
+                except AttributeError:
+                    if recorder is not None:
+                        recorder.note_computed(self, name, _MISSING)  # absent: a key added later must recapture
+                    raise
+                if recorder is not None:
+                    recorder.note_computed(self, name, value)
+                return value
+
+            namespace["__getattr__"] = __getattr__
+        sub = type(cls.__name__, (cls,), namespace)
         _RECORDING[cls] = sub
     return sub
+
+
+class _Computed:
+    """Where a value computed by an object's ``__getattr__`` is re-checked: ``get`` asks the object again."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def get(self, name: str, default: Any) -> Any:
+        return getattr(self.obj, name, default)
 
 
 def _swap_in_recording_class(obj: Any) -> bool:
@@ -239,7 +267,8 @@ def _swap_in_recording_class(obj: Any) -> bool:
     own ``__getattribute__`` such as a Hugging Face config's attribute map, a C type's layout, a class whose
     ``__init_subclass__`` refuses a subclass)."""
     cls = type(obj)
-    if cls.__getattribute__ is not object.__getattribute__ or isinstance(obj, enum.Enum):
+    if isinstance(obj, enum.Enum) or any(isinstance(vars(k).get("__getattribute__"), types.FunctionType)
+                                         for k in cls.__mro__):
         return False
     try:
         object.__setattr__(obj, "__class__", _recording_class(cls))
@@ -372,6 +401,7 @@ class AttributeReads:
         self.constants: Dict[Tuple[int, str], Tuple[Any, str, Any, Any]] = {}
         self.labels: Dict[int, str] = {}     # a held object read: the chain of names that reached it
         self.whole: Dict[int, Any] = {}      # held objects that could not take a recording class: every field
+        self.computed: Dict[Tuple[int, str], Tuple[Any, str, Any]] = {}  # values of objects' __getattr__
         self._swapped: List[Tuple[Any, type]] = []
 
     def _label(self, owner: Any, name: str) -> str:
@@ -393,6 +423,14 @@ class AttributeReads:
                 self._swapped.append((obj, cls))
             else:
                 self.whole[id(obj)] = obj
+
+    def note_computed(self, owner: Any, name: str, value: Any) -> None:
+        """A value an object's ``__getattr__`` gave (``hparams.lr`` of a Lightning AttributeDict, a key of an
+        OmegaConf config), or its absence."""
+        if isinstance(value, torch.Tensor):
+            return
+        if self.computed.setdefault((id(owner), name), (owner, name, value))[2] is value and is_held_object(value):
+            self._watch(value, self._label(owner, name))
 
     def note_class_constant(self, owner: Any, name: str, value: Any) -> None:
         """A plain value read from the class body (not a property's result, not an attribute map's)."""
@@ -433,6 +471,8 @@ class AttributeReads:
             out.append(_check(None if owner is root else vars(owner), name, value, self._label(owner, name)))
         for obj in self.whole.values():  # its fields steer the forward too
             out += _field_checks(obj, self.labels[id(obj)])
+        for owner, name, value in self.computed.values():  # asked again: getattr
+            out.append(_check(_Computed(owner), name, value, self._label(owner, name)))
         for owner, name, value, namespace in self.constants.values():
             label = self._label(owner, name)
             out.append(_check(None if owner is root else vars(owner), name, _MISSING, label))  # not shadowed

@@ -531,3 +531,42 @@ def test_a_module_that_cannot_take_a_recording_class_is_captured_with_every_fiel
     assert said == [] and type(model) is _SealedModule
     torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
     assert [p.gm is not None for p in capture.programs(model).values()] == [True]
+
+
+@pytest.mark.parametrize("kind", ["hparams", "omegaconf", "missing_key"])
+def test_values_that_an_objects_getattr_computes_are_re_checked(kind):
+    """A Lightning ``self.hparams`` (a dict whose items are read as attributes) and an OmegaConf config give their
+    values from ``__getattr__``, not from fields; before, a changed one replayed the old program (off by 0.79 and
+    1.98, silently)."""
+    from pytorch_lightning.utilities.parsing import AttributeDict
+
+    omegaconf = pytest.importorskip("omegaconf") if kind == "omegaconf" else None
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 8)
+            self.hparams = AttributeDict(temperature=1.0)
+            self.cfg = omegaconf.OmegaConf.create({"head": {"scale": 1.0}}) if omegaconf else None
+
+        def forward(self, x):
+            h = self.lin(x) * self.hparams.temperature * getattr(self.hparams, "extra", 1.0)
+            return h * self.cfg.head.scale if self.cfg is not None else h
+
+    model = Scaled().to(D)
+    x, u = randn(4, 6), randn(4, 6)
+    jvpreg.jvp(model, (x,), (u,), engine="eager")  # OmegaConf fills a cache on its first access
+    for _ in range(2):
+        assert _calls(model, x, u, "captured")[2] == []
+    if kind == "hparams":
+        model.hparams.temperature = 3.0
+    elif kind == "omegaconf":
+        model.cfg.head.scale = 2.0
+    else:
+        model.hparams.extra = 0.5  # absent at capture: its absence was recorded
+    y, t, said = _calls(model, x, u, "captured")
+    y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    assert said == []
+    torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    assert [p.gm is not None for p in capture.programs(model).values()] == [True]
