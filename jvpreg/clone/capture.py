@@ -75,11 +75,11 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
   it would replay the capturing call's values).
 * Python attributes of the modules that the forward reads (dropout ``p``, ``eps``, a stride, a flag, a function)
   steer what the trace records: they are recorded during the trace and re-checked before every replay (numbers,
-  strings and flags by value, other objects by identity, and every field of an object a module holds, such as a
-  Hugging Face config; :class:`jvpreg.clone.side_effects.AttributeReads`), and a change recaptures (after
-  :data:`MAX_VARIANTS` changes less than :data:`STEADY_REPLAYS` calls apart, eager clone mode with a warning).
-  Plain module globals that the model's code reads are re-checked too (:class:`jvpreg.clone.side_effects.Globals`),
-  and the fields of objects passed as arguments. Containers other than lists and dicts of plain values are
+  strings and flags by value, other objects by identity, along the whole chain of reads through the objects the
+  modules hold or the call passes, ``trainer.fit_loop.epoch_progress.current.completed``;
+  :class:`jvpreg.clone.side_effects.AttributeReads`), and a change recaptures (after :data:`MAX_VARIANTS` changes
+  less than :data:`STEADY_REPLAYS` calls apart, eager clone mode with a warning). Plain module globals that the
+  model's code reads are re-checked too (:class:`jvpreg.clone.side_effects.Globals`). Containers other than lists and dicts of plain values are
   re-checked by identity: after changing one in place, call :func:`reset`.
 * Parameters and buffers are checked for infinities once, at capture: one that turns non-finite later
   (a diverged run) gives NaN tangents where the non-finite fix would give 0 (loud, never a wrong finite

@@ -287,28 +287,25 @@ def _library(code: types.CodeType) -> bool:
     f = code.co_filename
     return f.startswith(_LIBRARY_DIRS) or (f.startswith(_STDLIB) and not f.startswith(_PACKAGES))
 
-_LOADED: Dict[types.CodeType, Tuple[str, ...]] = {}  # per code object: the globals it and its nested code load
+
+_LOADED: Dict[Tuple[types.CodeType, Tuple[str, ...]], Tuple[str, ...]] = {}  # per code object and opcodes
 
 
-def _globals_loaded(code: types.CodeType) -> Tuple[str, ...]:
-    """The module globals ``code`` (and the comprehensions and functions nested in it) loads."""
-    names = _LOADED.get(code)
+def _names_loaded(code: types.CodeType, opnames: Tuple[str, ...]) -> Tuple[str, ...]:
+    """The names ``code`` (and the comprehensions and functions nested in it) loads by ``opnames``:
+    ``("LOAD_GLOBAL",)`` its module globals, ``("LOAD_ATTR", "LOAD_METHOD")`` the attributes it reads
+    (``self.helper(...)``: ``helper``)."""
+    names = _LOADED.get((code, opnames))
     if names is None:
-        found = [i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"]
+        found = [i.argval for i in dis.get_instructions(code) if i.opname in opnames]
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
-                found += _globals_loaded(const)
-        names = _LOADED[code] = tuple(dict.fromkeys(found))
+                found += _names_loaded(const, opnames)
+        names = _LOADED[(code, opnames)] = tuple(dict.fromkeys(found))
     return names
 
 
-def _attributes_loaded(code: types.CodeType) -> Tuple[str, ...]:
-    """The attribute and method names ``code`` (and its nested code) loads (``self.helper(...)``: ``helper``)."""
-    names = [i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "LOAD_METHOD")]
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names += _attributes_loaded(const)
-    return tuple(dict.fromkeys(names))
+_GLOBAL_LOADS, _ATTRIBUTE_LOADS = ("LOAD_GLOBAL",), ("LOAD_ATTR", "LOAD_METHOD")
 
 
 def _method(cls: type, name: str) -> Any:
@@ -348,7 +345,7 @@ class Globals:
                 continue
             seen.add((id(fn), cls))
             g = fn.__globals__
-            for name in _globals_loaded(fn.__code__):
+            for name in _names_loaded(fn.__code__, _GLOBAL_LOADS):
                 value = g.get(name, _MISSING)
                 if isinstance(value, types.FunctionType):
                     if hops < _MAX_HOPS:
@@ -356,7 +353,7 @@ class Globals:
                 elif value is not _MISSING and _plain(value):
                     found.setdefault((id(g), name), (g, name, value))
             if cls is not None:  # self.helper(...): the class's own methods
-                stack += [(_method(cls, name), cls, hops) for name in _attributes_loaded(fn.__code__)]
+                stack += [(_method(cls, name), cls, hops) for name in _names_loaded(fn.__code__, _ATTRIBUTE_LOADS)]
             inner = (getattr(fn, "__wrapped__", None), *(c.cell_contents for c in fn.__closure__ or () if _filled(c)))
             stack += [(f, cls, hops) for f in inner if isinstance(f, types.FunctionType)]  # decorators' wrapped code
         self.read = list(found.values())
