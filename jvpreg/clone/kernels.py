@@ -154,13 +154,21 @@ _register_autograd(relu_blocks, _backward, _setup)
 _bn_backward = torch.ops.aten.native_batch_norm_backward.default
 
 
+def _sums_weight(weight: Optional[torch.Tensor], mean: torch.Tensor) -> torch.Tensor:
+    """``weight``, or ones for a BatchNorm without one: the clone rules read ``sum(g * xhat)`` from
+    ``native_batch_norm_backward``'s weight gradient, which CUDA's kernel returns empty when no weight is passed (the
+    CPU's computes it); a weight of ones changes no other output (``gamma = 1``)."""
+    return torch.ones_like(mean) if weight is None else weight
+
+
 @_operator("batch_norm_tangent")
 def batch_norm_tangent(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
                        invstd: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Train-mode BatchNorm's tangents ``t_j = gamma * r * (d_j - mean(d_j) - xhat * mean(d_j * xhat))`` (``(C,)``
     statistics ``mean``, ``invstd = r`` of the primal block ``a``, reduced over every dim but 1), with the
     per-channel sums ``sum(d_j * xhat)`` and ``sum(d_j)`` that the backward reuses (``(K-1, C)`` each)."""
-    outs = [_bn_backward(dj, a, weight, None, None, mean, invstd, True, eps, [True, True, True]) for dj in d]
+    w = _sums_weight(weight, mean)
+    outs = [_bn_backward(dj, a, w, None, None, mean, invstd, True, eps, [True, True, True]) for dj in d]
     return (_stacked([o[0] for o in outs]), _stacked([o[1].to(mean.dtype) for o in outs]),
             _stacked([o[2].to(mean.dtype) for o in outs]))
 
@@ -244,9 +252,10 @@ def _bn_tangent_terms(gj, dj, a, weight, mean, invstd, sum_dx_j, sum_d_j, eps, w
     """``dL/dd_j`` and the per-channel ``(coef_a, coef_d, coef_g, const, dL/dgamma_j)`` of
     ``dL/da_j = coef_a a + const + coef_d d_j + coef_g g_j`` (the formulas of :func:`_bn_tangent_backward`)."""
     r = invstd
-    gd, s_gx, s_g = _bn_backward(gj, a, weight, None, None, mean, invstd, True, eps, [True, True, True])
-    s_gd = _bn_backward(gj, dj, None, None, None, torch.zeros_like(mean), torch.ones_like(mean), True, 0.0,
-                        [False, True, False])[1]
+    gd, s_gx, s_g = _bn_backward(gj, a, _sums_weight(weight, mean), None, None, mean, invstd, True, eps,
+                                 [True, True, True])
+    ones = torch.ones_like(mean)  # sum(g_j d_j): the weight gradient of a BatchNorm of d_j with mean 0, invstd 1
+    s_gd = _bn_backward(gj, dj, ones, None, None, torch.zeros_like(mean), ones, True, 0.0, [False, True, False])[1]
     s_gx, s_g, s_gd = s_gx.to(mean.dtype), s_g.to(mean.dtype), s_gd.to(mean.dtype)
     dbar, c = sum_d_j / n, sum_dx_j / n
     big_g, big_gx = w * s_g, w * s_gx
@@ -310,10 +319,10 @@ def _bn_blocks(z: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
         out_a, mean, invstd = torch.ops.aten.native_batch_norm(a, weight, bias, *running, True, momentum, eps)
         out = _blocks(z.shape, out_a, _dense_layout(out_a) or torch.contiguous_format)
         out[0].copy_(out_a)
-    sum_dx, sum_d = [], []
+    sum_dx, sum_d, w = [], [], _sums_weight(weight, mean)
     for j in range(1, z.shape[0]):
         dj = torch.sub(z[j], a, out=out[j])  # d_j in its output slot, overwritten by out_0 + t_j below
-        t, s_dx, s_d = _bn_backward(dj, a, weight, None, None, mean, invstd, True, eps, [True, True, True])
+        t, s_dx, s_d = _bn_backward(dj, a, w, None, None, mean, invstd, True, eps, [True, True, True])
         torch.add(out[0], t, out=out[j])
         sum_dx.append(s_dx.to(mean.dtype))
         sum_d.append(s_d.to(mean.dtype))
