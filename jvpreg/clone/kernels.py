@@ -671,8 +671,10 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if dm is not None:
         ds = dm if ds is None else ds + dm
     dpv = None
-    if ds is not None:  # dP = P * (dS - sum(P * dS)): softmax's backward kernel (its Jacobian is symmetric)
-        dp = each_block(lambda b: torch.ops.aten._softmax_backward_data(b.expand_as(p), p, -1, p.dtype), ds)
+    if ds is not None:  # dP = P * (dS - sum(P * dS)): softmax's backward kernel (its Jacobian is symmetric); dS in
+        # P's dtype (CUDA's autocast runs softmax in float32 and the kernel takes one dtype)
+        dp = each_block(lambda b: torch.ops.aten._softmax_backward_data(b.expand_as(p).to(p.dtype), p, -1, p.dtype),
+                        ds)
         dpv = (dp if keep is None else dp * keep) @ v
     if blocks is not None:  # [(P M) v; (P M) z_j]: one product per value block (one product of P with all of
         first, *rest = (pd @ z for z in blocks.unbind(0))  # them would keep a copy of P per block for backward)

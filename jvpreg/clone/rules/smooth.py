@@ -163,7 +163,9 @@ def _softmax(log: bool, safe: bool = False):
             tan = out_a + d - (p * d).sum(dim, keepdim=True)
         else:  # softmax's Jacobian is symmetric: its backward kernel applied to d_j is J d_j
             out_a = aten._safe_softmax(a, dim) if safe else torch.softmax(a, dim)  # safe: 0 on all -inf rows
-            tan = out_a + each_block(lambda b: aten._softmax_backward_data(b, out_a, dim, a.dtype), d)
+            # (out_a's dtype, not a's: CUDA's autocast runs softmax in float32, and the kernel takes one dtype)
+            tan = out_a + each_block(lambda b: aten._softmax_backward_data(b.to(out_a.dtype), out_a, dim, out_a.dtype),
+                                     d)
         return stack_blocks(out_a, tan)
 
     rule.__doc__ = ("log_softmax: out_j = out_a + d_j - sum(p d_j)" if log
