@@ -418,3 +418,29 @@ def test_train_benchmark_checkpoints_blocks_and_the_clone_step_keeps_its_gradien
         torch.testing.assert_close(g_ckpt, g, rtol=1e-12, atol=1e-14, msg=name)  # float64
     with pytest.raises(ValueError, match="checkpoint-blocks"):
         train.checkpoint_blocks(train.build("mlp")[0])
+
+
+def test_train_benchmark_interrupted_in_its_gradient_checks_still_writes_its_timings(tmp_path, monkeypatch):
+    """A time limit's SIGINT while the float64 gradient checks run (the compiled engine recompiles for them: on an
+    H100 the ViT's table was lost so) ends the run with 130, after the tables with every timing measured."""
+    from jvpreg.bench import train
+
+    calls = []
+    real = train.Step.gradient
+
+    def gradient(self):
+        calls.append(self.method)
+        if len(calls) > 1:  # the clone reference ran; the first check is interrupted
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(train.Step, "gradient", gradient)
+    out = tmp_path / "train"
+    assert train.main(["--models", "mlp:8,mlp200:8", "--methods", "plain,clone,clone_eager", "--repeats", "1",
+                       "--warmup", "1", "--out", str(out)]) == 130
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["method"]: r for r in result["results"]}
+    assert {r["model"] for r in result["results"]} == {"mlp"}  # stopped after the interrupted model
+    assert all(r["status"] == "ok" and r["median_s"] > 0 for r in rows.values())
+    assert rows["clone_eager"]["grad_check"] == train.INTERRUPTED
+    assert "grad check: not run (interrupted)" in out.with_suffix(".md").read_text()
