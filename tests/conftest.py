@@ -75,6 +75,17 @@ def once_more_if_a_spawned_worker_aborts_at_exit(run):
         return run()
 
 
+def load_script(name: str):
+    """The module ``scripts/<name>.py`` (the scripts are no package), loaded afresh."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
                      help="also run the tests marked slow (CI runs everything)")

@@ -1,22 +1,15 @@
 """scripts/model_zoo_sweep.py: its checks run and judge, on one small model of each source (no downloads)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "model_zoo_sweep.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def zoo():
-    spec = importlib.util.spec_from_file_location("model_zoo_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("model_zoo_sweep")
 
 
 def test_float64_throughout_makes_float32_casts_no_ops_and_restores_them(zoo):

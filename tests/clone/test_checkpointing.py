@@ -16,6 +16,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import jvpreg
+from conftest import load_script
 from jvpreg.bench import memory
 from jvpreg.clone import JVPCaptureWarning, capture
 from jvpreg.clone.checkpointed_regions import CheckpointedRegion
@@ -209,14 +210,8 @@ def test_timm_and_hugging_face_checkpointing(source, name):
     gradients of each engine's step without checkpointing (Hugging Face's float64 models compute their norms in
     float32, so the engines agree with each other only to float32 rounding there), and the captured step replays
     the checkpointed regions."""
-    import importlib.util
-    from pathlib import Path
-
     pytest.importorskip("timm" if source == "timm" else "transformers")
-    spec = importlib.util.spec_from_file_location(
-        "model_zoo_sweep", Path(__file__).resolve().parents[2] / "scripts" / "model_zoo_sweep.py")
-    zoo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(zoo)
+    zoo = load_script("model_zoo_sweep")
     torch.manual_seed(0)
     model, call, x, _ = (zoo._timm if source == "timm" else zoo._hf)(name)
     model.train()

@@ -6,9 +6,7 @@ Reference: ``torch.func.jvp`` of the same model with the helper uncompiled, in f
 from __future__ import annotations
 
 import copy
-import importlib.util
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from torch import nn
 
 import jvpreg
 from jvpreg.clone import capture, functions
+from conftest import load_script
 
 D = torch.float64
 
@@ -79,11 +78,7 @@ class LastHidden(nn.Module):
 
 
 def _zoo():
-    spec = importlib.util.spec_from_file_location(
-        "model_zoo_sweep", Path(__file__).resolve().parents[2] / "scripts" / "model_zoo_sweep.py")
-    zoo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(zoo)
-    return zoo
+    return load_script("model_zoo_sweep")
 
 
 @pytest.mark.slow
