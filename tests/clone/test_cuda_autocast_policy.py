@@ -1,9 +1,9 @@
 """Mixed precision as CUDA's autocast does it, emulated on this CPU.
 
-CUDA's autocast runs softmax, log_softmax, layer_norm and group_norm in float32 and its matrix products in bfloat16;
-the CPU's keeps all of them in bfloat16. So on a GPU a rule meets a float32 output next to a bfloat16 tangent, which
+CUDA's autocast runs softmax, log_softmax, layer_norm, group_norm, exp, log, rsqrt, softplus, logsumexp, cumsum,
+pow and sum in float32 and its matrix products in bfloat16; the CPU's keeps all of them in bfloat16. So on a GPU a rule meets a float32 output next to a bfloat16 tangent, which
 the CPU never shows: on an H100 (torch 2.11) every bf16 autocast ViT failed with "expected input and grad types to
-match" from ``_softmax_backward_data``. The fixture registers CUDA's float32 policy for those four ops as the
+match" from ``_softmax_backward_data``. The fixture registers CUDA's float32 policy for those ops as the
 ``AutocastCPU`` kernels (removed after the test). References: the same model in float64 without autocast, with a
 bfloat16 tolerance, and the plain forward under the same policy (the primal block: that forward's output and dtype).
 """
@@ -19,7 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
 
-_FLOAT32_OPS = ("softmax.int", "log_softmax.int", "layer_norm", "group_norm")  # CUDA's autocast: float32
+_FLOAT32_OPS = ("softmax.int", "log_softmax.int", "layer_norm", "group_norm", "exp", "log", "rsqrt", "softplus",
+                "logsumexp", "cumsum", "pow.Tensor_Scalar", "sum", "sum.dim_IntList")  # CUDA's autocast: float32
 
 
 def _in_float32(op):
@@ -68,7 +69,22 @@ class ConvGroupNorm(nn.Module):
         return self.head(torch.relu(self.norm(self.conv(x))).mean((2, 3))).softmax(-1)
 
 
+class Elementwise(nn.Module):
+    """Smooth ops that CUDA's autocast runs in float32, between bfloat16 matrix products (an RMSNorm among them)."""
+
+    def __init__(self, e=8):
+        super().__init__()
+        self.a, self.b = nn.Linear(e, e), nn.Linear(e, e)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * (h.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+        h = self.b(F.softplus(h) + (h.abs() + 1).log() + (-h.abs()).exp())
+        return torch.cat([h.cumsum(-1), h.logsumexp(-1, keepdim=True), h.sum(-1, keepdim=True)], -1)
+
+
 MODELS = {
+    "elementwise": (Elementwise, (4, 8)),
     "attention": (Attention, (2, 5, 16)),
     "transformer_layer": (lambda: nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), (2, 5, 16)),
     "conv_groupnorm": (ConvGroupNorm, (2, 3, 8, 8)),
