@@ -22,8 +22,8 @@ def _run(part: str, out: Path, **env) -> subprocess.CompletedProcess:
 
 
 def test_gpu_benchmarks_refuses_an_unknown_part(tmp_path):
-    proc = _run("4", tmp_path)
-    assert proc.returncode == 2 and "PART must be 1, 2 or 3, got '4'" in proc.stderr
+    proc = _run("5", tmp_path)
+    assert proc.returncode == 2 and "PART must be 1, 2, 3 or 4, got '5'" in proc.stderr
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error where torch sees no GPU")
