@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from pathlib import Path
 
 import torch
 import torchvision
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import jvpreg
+from jvpreg.bench import report
 from jvpreg.bench.timing import machine_description
 
 aten = torch.ops.aten
@@ -66,8 +66,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="resnet18,resnet50,densenet121")
     parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--out", default="experiments/results/tf32_precision_cpu.md")
+    parser.add_argument("--out", default="experiments/results/tf32_precision_cpu",
+                        help="output path without extension ('' to skip writing)")
     args = parser.parse_args(argv)
+    command = report.command_line("python scripts/tf32_precision.py", sys.argv[1:] if argv is None else argv)
     rows = []
     for name in args.models.split(","):
         rows.append(errors(name, args.size))
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
     machine = machine_description("cpu")
     lines = [
         "# JVP precision with TF32 convolutions (emulated on the CPU)", "",
-        f"Command: `python scripts/tf32_precision.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
+        f"Command: `{command}`  ",
         f"Machine: {machine['cpu']} ({machine['cpu_cores']} cores), torch {machine['torch']}; random weights, eval "
         "mode.",
         "", "Relative error of each float32 JVP against the float64 JVP (`torch.func.jvp` of the float64 model); "
@@ -88,8 +90,8 @@ def main(argv=None) -> int:
     lines += [f"| {r['model']} | {r['input']} | {r['clone_fp32']:.1e} | {r['func_fp32']:.1e} | {r['clone_tf32']:.1e} "
               f"| {r['func_tf32']:.1e} | {r['clone_vs_func_tf32']:.1e} |" for r in rows]
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
-        print(f"wrote {args.out}")
+        paths = report.write_results(args.out, "\n".join(lines) + "\n", {"command": command, "rows": rows})
+        print("wrote " + " and ".join(map(str, paths)))
     return 0
 
 
