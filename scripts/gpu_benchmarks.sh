@@ -10,9 +10,9 @@
 #
 # On the device machine (torch, torchvision, Lightning and timm installed; no hydra, no wandb, no registry):
 #   run(command="bash scripts/gpu_benchmarks.sh 1 $OUT", timeout_s=600)
-# and then parts 2, 3 and 4 straight after (the machine stays warm for 30 s only; part 4 gets what is left). Every benchmark runs under its own
-# `timeout`, so one that overruns loses only its own table; everything written is packed into
-# OUTDIR/gpu_partN.tar.gz (the device returns at most 8 files) and the log into OUTDIR/gpu_partN.log.
+# and then parts 2, 3 and 4 straight after (the machine stays warm for 30 s only; part 4 gets what is left). Every
+# benchmark runs under its own `timeout`, so one that overruns loses only its own table; everything written is
+# packed into OUTDIR/gpu_partN.tar.gz (the device returns at most 8 files) and the log into OUTDIR/gpu_partN.log.
 # Unpack into experiments/results/gpu/ and commit with the device line of the tool's reply.
 #
 #   part 1: the GPU target (ResNet-50, ViT-B/16, DenseNet-121 at batch 32: captured / fwd 2B and torch.func.jvp /

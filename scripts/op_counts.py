@@ -1,11 +1,11 @@
-"""ATen ops per call: the plain forward of the 2B-row batch against the clone engines' JVP.
+"""ATen ops per call: the plain forward of the 2B-row batch against the captured engine's JVP program.
 
 On a GPU a small-op model is launch-bound: each ATen op launches at least one kernel, so the time of a call follows
 its op count more than its arithmetic. On the H100 the captured engine cost 1.8-3.2x the 2B forward on the four
 small-op models (``experiments/results/gpu/bench_capture_small_fp32.md``) where it costs 1.03-1.46x on this CPU; the
 ratio of op counts, measured here without a GPU, is the quantity to bring down for the GPU.
 
-    python scripts/op_counts.py [--suites small,gpu] [--out experiments/results/op_counts.md]
+    python scripts/op_counts.py [--suites small,gpu] [--out experiments/results/op_counts]
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from jvpreg.bench.capture import SUITES
 from jvpreg.bench.timing import machine_description
 from jvpreg.clone import capture
 
-_FREE = {"detach", "alias", "view", "_unsafe_view", "t", "expand", "unsqueeze", "squeeze", "reshape", "select",
-         "slice", "permute", "transpose", "as_strided", "split", "split_with_sizes", "chunk", "unbind", "unflatten",
-         "flatten", "lift_fresh", "lift_fresh_copy", "empty", "empty_strided", "empty_like", "_to_copy", "clone"}
+_FREE = {"detach", "alias", "view", "_unsafe_view", "t", "expand", "expand_as", "unsqueeze", "squeeze", "reshape",
+         "select", "slice", "permute", "transpose", "as_strided", "split", "split_with_sizes", "chunk", "unbind",
+         "unflatten", "flatten", "lift_fresh", "empty", "empty_strided", "empty_like"}  # views and allocations
 
 
 def graph_ops(gm) -> collections.Counter:
@@ -41,7 +41,7 @@ def graph_ops(gm) -> collections.Counter:
 
 
 def kernels(ops: collections.Counter) -> int:
-    """Ops that launch a kernel on a GPU: all but views, allocations and copies that alias."""
+    """Ops that launch a kernel on a GPU: all but views and allocations (copies count)."""
     return sum(n for name, n in ops.items() if name not in _FREE)
 
 
@@ -80,12 +80,12 @@ def main(argv=None) -> int:
             print(f"{name}: forward 2B {r['forward_2B']}, captured {r['captured']} ops", flush=True)
     machine = machine_description("cpu")
     ratio = lambda r, k: r[k] / r["forward_2B"]  # noqa: E731
-    lines = ["# ATen ops per call: clone engines against the plain 2B forward", "",
+    lines = ["# ATen ops per call: the captured engine's program against the plain 2B forward", "",
              f"Command: `{command}`  ",
              f"Machine: {machine['cpu']} (the counts do not depend on it); torch {torch.__version__}, eval mode, "
-             "float32. `forward 2B`: the ATen graph of the plain forward of "
-             "`[x; x + u]` (make_fx, pre-dispatch, as the capture traces); `captured`: the captured engine's program (what each replay runs). Ops that "
-             "launch no kernel on a GPU (views, allocations, detach) are left out of the first columns; `all` "
+             "float32. `forward 2B`: the ATen graph of the plain forward of `[x; x + u]` (make_fx, pre-dispatch, as "
+             "the capture traces); `captured`: the captured engine's program (what each replay runs). Ops that "
+             "launch no kernel on a GPU (views, allocations) are left out of the first columns; `all` "
              "counts every op; `extra`: the ops the program runs more often than the plain 2B forward.", "",
              "| model | input | forward 2B | captured | captured / fwd 2B | all: fwd 2B, captured | extra ops in the "
              "captured program |", "|:---|---:|---:|---:|---:|---:|:---|"]

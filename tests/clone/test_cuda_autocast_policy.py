@@ -1,8 +1,8 @@
 """Mixed precision as CUDA's autocast does it, emulated on this CPU.
 
 CUDA's autocast runs softmax, log_softmax, layer_norm, group_norm, exp, log, rsqrt, softplus, logsumexp, cumsum,
-pow and sum in float32 and its matrix products in bfloat16; the CPU's keeps all of them in bfloat16. So on a GPU a rule meets a float32 output next to a bfloat16 tangent, which
-the CPU never shows: on an H100 (torch 2.11) every bf16 autocast ViT failed with "expected input and grad types to
+pow and sum in float32 and its matrix products in bfloat16; the CPU's keeps all of them in bfloat16. So on a GPU a
+rule meets a float32 output next to a bfloat16 tangent, which the CPU never shows: on an H100 (torch 2.11) every bf16 autocast ViT failed with "expected input and grad types to
 match" from ``_softmax_backward_data``. The fixture registers CUDA's float32 policy for those ops as the
 ``AutocastCPU`` kernels (removed after the test). References: the same model in float64 without autocast, with a
 bfloat16 tolerance, and the plain forward under the same policy (the primal block: that forward's output and dtype).
