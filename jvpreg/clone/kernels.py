@@ -252,8 +252,7 @@ def _bn_tangent_terms(gj, dj, a, weight, mean, invstd, sum_dx_j, sum_d_j, eps, w
     """``dL/dd_j`` and the per-channel ``(coef_a, coef_d, coef_g, const, dL/dgamma_j)`` of
     ``dL/da_j = coef_a a + const + coef_d d_j + coef_g g_j`` (the formulas of :func:`_bn_tangent_backward`)."""
     r = invstd
-    gd, s_gx, s_g = _bn_backward(gj, a, _sums_weight(weight, mean), None, None, mean, invstd, True, eps,
-                                 [True, True, True])
+    gd, s_gx, s_g = _bn_backward(gj, a, w, None, None, mean, invstd, True, eps, [True, True, True])  # (w: gamma or 1)
     ones = torch.ones_like(mean)  # sum(g_j d_j): the weight gradient of a BatchNorm of d_j with mean 0, invstd 1
     s_gd = _bn_backward(gj, dj, ones, None, None, torch.zeros_like(mean), ones, True, 0.0, [False, True, False])[1]
     s_gx, s_g, s_gd = s_gx.to(mean.dtype), s_g.to(mean.dtype), s_gd.to(mean.dtype)
