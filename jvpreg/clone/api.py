@@ -85,7 +85,14 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, s
 
 
 def device_scales(pairs: Sequence[tuple], k: int, ratio: float) -> torch.Tensor:
-    """:func:`choose_scales` in kernels, with no host synchronisation (tensors on an accelerator)."""
+    """:func:`choose_scales` in kernels, with no host synchronisation (tensors on an accelerator).
+
+    ``s_j = 2^clamp(round(log2(ratio) + log2 ||x|| - log2 ||u_j||))``, in as few kernels as the rules allow (each is
+    a launch on a GPU, where a small model's JVP is launch-bound): 15 for one float32 pair, 28 before. The special
+    cases are folded into ``nan_to_num`` of the logs instead of masks: ``||x|| = 0`` counts as 1 (``log2`` 0), an
+    infinite ``||x||`` as a log above every exponent (the largest scale), and ``||u_j|| = 0`` or infinite makes the
+    exponent infinite, which becomes 0 (``s_j = 1``). Same values as the host's choice, bit for bit (the same
+    float64 operations in the same order)."""
     ref = pairs[0][0]
     with torch.no_grad():
         xs, us = [], []
@@ -94,10 +101,13 @@ def device_scales(pairs: Sequence[tuple], k: int, ratio: float) -> torch.Tensor:
             us.append(_device_norms(torch.nan_to_num(u.detach(), nan=0.0, posinf=0.0, neginf=0.0).reshape(k, -1)))
         nx = _scaled_norms(torch.stack(xs, 1))[0] if len(xs) > 1 else xs[0][0]
         nu = _scaled_norms(torch.stack(us, 1)) if len(us) > 1 else us[0]
-        nx = torch.where(nx > 0, nx, 1.0)
         top = _max_exponent(ref.dtype)  # log2 of each factor: no quotient to overflow
-        e = torch.round(math.log2(ratio) + torch.log2(nx) - torch.log2(torch.where(nu > 0, nu, 1.0)))
-        return torch.where((nu > 0) & torch.isfinite(nu), torch.exp2(_clamp_exponent(e, top)), 1.0)
+        log_x = torch.nan_to_num(torch.log2(nx), neginf=0.0, posinf=_BEYOND_EXPONENTS) + math.log2(ratio)
+        e = torch.nan_to_num(torch.round(log_x - torch.log2(nu)), nan=0.0, posinf=0.0, neginf=0.0)
+        return torch.exp2(_clamp_exponent(e, top))
+
+
+_BEYOND_EXPONENTS = 2.0 ** 20  # a log2 above any float's exponent range (float64's is 1024), minus any finite log2
 
 
 def _power_of_two(ratio: float, nx: float, nu: float, top: int) -> float:

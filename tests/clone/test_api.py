@@ -257,6 +257,28 @@ def test_device_scale_choice_equals_the_cpu_one():
             assert cpu[-1] == 1.0 and torch.isfinite(cpu).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_device_scale_choice_equals_the_cpu_one_on_special_values(dtype):
+    """The special cases the device folds into ``nan_to_num`` of the logs: a zero primal, primals and tangents with
+    infinities and NaNs (their finite entries choose), a zero tangent, a primal whose norm overflows, and a
+    tangent whose own norm overflows: the host's choice in each."""
+    from jvpreg.clone.api import _choose_scales, _ratio, device_scales
+
+    big = torch.finfo(dtype).max / 2
+    inf, nan = float("inf"), float("nan")
+    primals = {"zero": [0.0, 0.0, 0.0, 0.0], "inf": [1.0, inf, -2.0, 0.5], "nan": [nan, 3.0, 1.0, -1.0],
+               "all inf": [inf, -inf, inf, inf], "huge": [big, big, -big, big], "plain": [0.3, -1.2, 2.0, 0.7]}
+    tangents = [[1.0, 2.0, -1.0, 0.5], [0.0, 0.0, 0.0, 0.0], [inf, 1.0, 0.0, 2.0], [nan, nan, 1e-3, 0.0],
+                [big, -big, big, big], [1e-4, 0.0, 0.0, 0.0]]
+    us = torch.tensor(tangents, dtype=dtype)
+    for name, values in primals.items():
+        x = torch.tensor(values, dtype=dtype)
+        cpu, _ = _choose_scales([(x, us)], len(tangents))
+        dev = device_scales([(x, us)], len(tangents), _ratio(dtype, "cpu"))
+        assert torch.equal(dev, cpu), (name, dev.tolist(), cpu.tolist())
+        assert torch.isfinite(cpu).all() and cpu[1] == 1.0  # a zero tangent keeps scale 1
+
+
 def test_zero_tangent_gives_zero_jvp():
     x = randn(3, 4)
     y, t = jvpreg.jvp(mlp(), (x,), (torch.zeros_like(x),))
