@@ -51,6 +51,12 @@ def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) ->
     return _choose_scales(pairs, k, ratio)[0]
 
 
+def host_scales(ref: torch.Tensor) -> bool:
+    """Whether the scales of a clone forward on ``ref``'s device are chosen by the host (on the CPU, where reading a
+    norm costs nothing) or by kernels (:func:`device_scales`: on an accelerator a read would wait for the device)."""
+    return ref.is_cpu
+
+
 _SHARED_SCALES: Dict[tuple, torch.Tensor] = {}  # read-only CPU scale tensors by value (jvp's program inputs)
 
 
@@ -59,7 +65,7 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, s
     device; a float64 norm is finite only if every entry is, so on the CPU this comes free). ``shared``: the
     CPU tensor may be one shared by calls with the same scales (for a caller that never writes to it)."""
     ref = pairs[0][0]
-    if ref.is_cpu:  # rms(x) / rms(u_j) = ||x|| / ||u_j|| of the finite entries; scalars in Python, no kernel per step
+    if host_scales(ref):  # rms(x) / rms(u_j) = ||x|| / ||u_j|| of the finite entries: Python scalars, no kernel
         ratio = _ratio(ref.dtype, "cpu") if ratio is None else ratio
         xs, us, finite = [], [[] for _ in range(k)], True
         for x, u in pairs:
@@ -381,16 +387,30 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
     tans = tuple(t if batched_tangents else t.unsqueeze(0) for t in tangents)
     target = capture.unwrap_compiled(func)
     program = engine != "eager" and isinstance(target, nn.Module)
+    n = len(primals)
+    if program and scale == "auto" and not host_scales(primals[0]):
+        # on an accelerator the scales are kernels: recorded into the program with the rest, which a compiled
+        # program fuses into one or two kernels (launched one by one, they cost a small model as much as its JVP)
+        k = tans[0].shape[0]
+        return capture.call(target, (*primals, *tans), engine=engine, key=("jvp", n, batched_tangents, has_aux),
+                            fn=lambda *flat: _jvp_body(target, flat[:n], flat[n:],
+                                                       _program_scales(flat[:n], flat[n:], k), has_aux,
+                                                       batched_tangents, where))
     s, finite = _scales(list(zip(primals, tans)), tans[0].shape[0], scale, shared=program)  # the program only reads s
     if program:
         # pack, forward and unpack recorded as one program: x, u, s in; output, tangent (and aux) out
-        n = len(primals)
         return capture.call(target, (*primals, *tans, s), engine=engine, key=("jvp", n, batched_tangents, has_aux),
                             finite=True if finite else None,
                             fn=lambda *flat: _jvp_body(target, flat[:n], flat[n:2 * n], flat[-1], has_aux,
                                                        batched_tangents, where))
     with functions.active(), capture.uncompiled(target):
         return _jvp_body(target, primals, tans, s, has_aux, batched_tangents, where)
+
+
+def _program_scales(primals: Sequence[torch.Tensor], tans: Sequence[torch.Tensor], k: int) -> torch.Tensor:
+    """:func:`device_scales` of a JVP's pairs, as a captured program computes them (inside it)."""
+    ref = primals[0]
+    return device_scales(list(zip(primals, tans)), k, _ratio(ref.dtype, ref.device.type))
 
 
 def _jvp_body(func: Callable, primals: Sequence[torch.Tensor], tans: Sequence[torch.Tensor], s: torch.Tensor,

@@ -14,7 +14,9 @@ captures on the first. ``engine="compiled"`` hands the same program to
 ``torch.compile`` so Inductor fuses the clone rules with the model's ops (jvpreg's own operators stay opaque
 kernels; on the CPU without layout optimisation: :func:`inductor_options`). :func:`jvpreg.jvp` records its
 whole call as one program: ``(x, u, s) -> (f(x), J u)``, the packing ``[x; x + s u]`` and the unpacking
-``(y_1 - y_0) / s`` included, so a replay runs no Python between them.
+``(y_1 - y_0) / s`` included, so a replay runs no Python between them; on an accelerator ``(x, u) -> (f(x), J u)``,
+the choice of ``s`` from the norms included (:func:`jvpreg.clone.api.device_scales`: kernels there, which a compiled
+program fuses).
 
 Choice of tracer. ``make_fx(pre_dispatch=True, tracing_mode="real")``:
 
