@@ -226,8 +226,8 @@ def _bn_tangent_backward(ctx, grad, _g_sdx, _g_sd):
 def _bn_tangent_grads(grad, d, a, weight, mean, invstd, sum_dx, sum_d, eps):
     """``(dL/dd, dL/da, dL/dgamma)`` of :func:`_bn_tangent_backward` (no graph), ``dL/dgamma`` ``None`` without a
     weight."""
-    ch, w, n, grad_w = _channels(a, weight, mean)
-    grad_d, grad_a = [], None
+    ch, w, n = _channels(a, weight, mean)
+    grad_d, grad_a, grad_w = [], None, None
     for j in range(d.shape[0]):
         gj, dj = grad[j], d[j]
         gd, (coef_a, coef_d, coef_g, const, dgamma) = _bn_tangent_terms(gj, dj, a, weight, mean, invstd, sum_dx[j],
@@ -236,33 +236,43 @@ def _bn_tangent_grads(grad, d, a, weight, mean, invstd, sum_dx, sum_d, eps):
         ga = (a * ch(coef_a)).add_(ch(const))  # (an addcmul with a broadcast first operand is 3-6x slower)
         ga.addcmul_(ch(coef_d), dj).addcmul_(ch(coef_g), gj)
         grad_a = ga if grad_a is None else grad_a.add_(ga)
-        grad_w += dgamma
+        grad_w = _accumulated(grad_w, dgamma)
     return _stacked(grad_d), grad_a.to(a.dtype), None if weight is None else grad_w.to(weight.dtype)
 
 
 def _channels(a, weight, mean):
-    """``(view of a (C,) vector broadcasting over a, gamma (ones without a weight), entries per channel, zero
-    (C,) accumulator)``."""
+    """``(view of a (C,) vector broadcasting over a, gamma (ones without a weight), entries per channel)``."""
     ch = lambda p: p.reshape(-1, *([1] * (a.dim() - 2)))
     w = weight.to(mean.dtype) if weight is not None else torch.ones_like(mean)
-    return ch, w, a.numel() // a.shape[1], torch.zeros_like(mean)
+    return ch, w, a.numel() // a.shape[1]
+
+
+def _accumulated(total: Optional[torch.Tensor], term: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``total + term`` in place, ``term`` itself for the first term (no zero tensor to start from)."""
+    return term if total is None or term is None else total.add_(term)
 
 
 def _bn_tangent_terms(gj, dj, a, weight, mean, invstd, sum_dx_j, sum_d_j, eps, w, n):
     """``dL/dd_j`` and the per-channel ``(coef_a, coef_d, coef_g, const, dL/dgamma_j)`` of
-    ``dL/da_j = coef_a a + const + coef_d d_j + coef_g g_j`` (the formulas of :func:`_bn_tangent_backward`)."""
+    ``dL/da_j = coef_a a + const + coef_d d_j + coef_g g_j`` (the formulas of :func:`_bn_tangent_backward`), with
+    ``q = -r^2 gamma / N``, ``b = S_gd - mean(d_j) S_g - c_j S_gxhat``:
+
+        coef_a = q r (b - 2 c_j S_gxhat),  coef_d = q S_gxhat,  coef_g = q S_dxhat,
+        const = -coef_a mean - q (mean(d_j) S_gxhat + c_j S_g),  dL/dgamma_j = r b
+
+    in 18 small (C,) kernels (36 before: on a GPU each is a launch, and the step of a small network is launch-bound);
+    ``dL/dgamma_j`` is ``None`` without a weight."""
     r = invstd
     gd, s_gx, s_g = _bn_backward(gj, a, w, None, None, mean, invstd, True, eps, [True, True, True])  # (w: gamma or 1)
     ones = torch.ones_like(mean)  # sum(g_j d_j): the weight gradient of a BatchNorm of d_j with mean 0, invstd 1
     s_gd = _bn_backward(gj, dj, ones, None, None, torch.zeros_like(mean), ones, True, 0.0, [False, True, False])[1]
     s_gx, s_g, s_gd = s_gx.to(mean.dtype), s_g.to(mean.dtype), s_gd.to(mean.dtype)
     dbar, c = sum_d_j / n, sum_dx_j / n
-    big_g, big_gx = w * s_g, w * s_gx
-    k = r * r / n
-    kappa = -k * (w * s_gd - dbar * big_g - 3 * c * big_gx)
-    coef_a, coef_d, coef_g = kappa * r, -k * big_gx, -r * r * c * w
-    const = -coef_a * mean + k * big_gx * dbar + r * r * c * big_g / n
-    return gd, (coef_a, coef_d, coef_g, const, r * (s_gd - dbar * s_g - c * s_gx))
+    b = torch.addcmul(s_gd, dbar, s_g, value=-1).addcmul_(c, s_gx, value=-1)
+    q = torch.mul(r, w).mul_(r).div_(-n)
+    coef_a = torch.addcmul(b, c, s_gx, value=-2).mul_(q).mul_(r)
+    const = torch.mul(s_gx, dbar).addcmul_(c, s_g).mul_(q).addcmul_(coef_a, mean).neg_()
+    return gd, (coef_a, q * s_gx, q * sum_dx_j, const, None if weight is None else r * b)
 
 
 def _bn_tangent_backward_graph(grad, d, a, weight, mean, invstd, eps):
@@ -383,7 +393,8 @@ def _bn_blocks_grads(grad, z, weight, mean, invstd, sum_dx, sum_d, eps):
     """``dz`` of ``sum_j <g_j, t_j>`` (``dz_j = dL/dd_j``, ``dz_0 = dL/da - sum_j dL/dd_j``, written in place: at most
     two blocks of temporaries beside ``dz``), ``dL/dgamma`` and the last ``d_j`` (a block the caller may reuse)."""
     a = z[0]
-    ch, w, n, grad_w = _channels(a, weight, mean)
+    ch, w, n = _channels(a, weight, mean)
+    grad_w = None
     dz = torch.empty_like(z)
     dz0 = dz[0]
     for j in range(1, z.shape[0]):
@@ -397,8 +408,8 @@ def _bn_blocks_grads(grad, z, weight, mean, invstd, sum_dx, sum_d, eps):
         else:
             dz0.addcmul_(ch(coef_a), a)
         dz0.add_(ch(const)).addcmul_(ch(coef_d), dj).addcmul_(ch(coef_g), gj).sub_(dz[j])
-        grad_w += dgamma
-    return dz, None if weight is None else grad_w, dj
+        grad_w = _accumulated(grad_w, dgamma)
+    return dz, grad_w, dj
 
 
 _register_autograd(batch_norm_blocks, _bn_blocks_backward, _bn_blocks_setup)
