@@ -236,13 +236,16 @@ def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
     def split(leaf):
         if is_clone(leaf):
             p = leaf.as_subclass(torch.Tensor)
-            y0 = p[0]
+            # both reads through one split: under autograd its backward is one concatenation, where a select and a
+            # slice each fill a zero tensor of the whole batch (then added)
+            first, rest = p.split([1, p.shape[0] - 1])
+            y0 = first.squeeze(0)
             if y0.is_floating_point() or y0.is_complex():
                 sv = scales.to(p.dtype).reshape(-1, *([1] * y0.dim()))
-                d = p[1:] - y0  # block_delta's non-finite fix changes nothing where no difference is NaN
+                d = rest - y0  # block_delta's non-finite fix changes nothing where no difference is NaN
                 # (checked on the host for free; a captured program keeps the fix where an infinity can reach it)
                 if d.device.type != "cpu" or capturing() or bool(torch.isnan(d).any()):
-                    d = block_delta(p[1:], y0)
+                    d = block_delta(rest, y0)
                 t = d / sv
             else:
                 t = torch.zeros((k, *y0.shape), dtype=y0.dtype, device=y0.device)

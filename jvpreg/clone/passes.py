@@ -579,16 +579,35 @@ def _leading(node: torch.fx.Node) -> Optional[int]:
     return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() > 0 else None
 
 
-def _stacked_part(node: torch.fx.Node) -> Optional[torch.fx.Node]:
-    """``b_i`` if ``node`` is ``select(stack([b_0, b_1, ...], 0), 0, i)`` (a rule's output block), else ``None``."""
-    if node.target is not torch.ops.aten.select.int or node.args[1] != 0:
+def _block_read(node: torch.fx.Node) -> Optional[tuple]:
+    """``(t, i)`` if ``node`` reads block ``i`` of ``t`` along dim 0: ``select(t, 0, i)``, or a one-block chunk of
+    ``split_with_sizes(t, sizes, 0)`` (``squeeze``-d or not: how :func:`jvpreg.clone.api.unpack` reads the primal
+    block), else ``None``."""
+    if node.target is torch.ops.aten.select.int:
+        return (node.args[0], node.args[2]) if node.args[1] == 0 else None
+    if node.target is _SQUEEZE and node.args[1] == 0 and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    if node.target is not operator.getitem or not isinstance(node.args[0], torch.fx.Node):
         return None
-    src = node.args[0]
+    split, j = node.args
+    if split.target is not _SPLIT or (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) != 0:
+        return None
+    sizes = list(split.args[1])
+    return (split.args[0], sum(sizes[:j])) if 0 <= j < len(sizes) and sizes[j] == 1 else None
+
+
+def _stacked_part(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """``b_i`` if ``node`` reads block ``i`` of ``stack([b_0, b_1, ...], 0)`` (a rule's output block:
+    :func:`_block_read`), else ``None``."""
+    read = _block_read(node)
+    if read is None:
+        return None
+    src, i = read
     if not (isinstance(src, torch.fx.Node) and src.target in (_STACK, _CAT)):
         return None
     if (src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)) != 0:
         return None
-    parts, i = list(src.args[0]), node.args[2]
+    parts = list(src.args[0])
     if src.target is _CAT:  # cat of one-block parts (unsqueeze(b, 0), a + unsqueeze(d, 0)): a rule's output
         if not all(isinstance(p, torch.fx.Node) and _leading(p) == 1 for p in parts):
             return None
