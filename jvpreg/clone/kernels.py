@@ -694,18 +694,20 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     return tile(out_a, kk) if dpv is None else stack_blocks(out_a, out_a + dpv)
 
 
-# Entries of one block's P from which the rule runs the recomputing operator: 2^24 (64 MiB of float32 per L x S tensor,
-# three of them per attention: BERT-base at 512 tokens and batch 32 has 2^26.6). Below, the composite keeps P, dS, dP
-# and its step is faster: a 4-layer ViT with 257 tokens at batch 8 (2^21) took 0.76x the time, keeping 217 MiB for
-# backward instead of 56 MiB (the plain step on the doubled batch: 52 MiB).
-ATTENTION_RECOMPUTE_NUMEL = 1 << 24
+# Entries of one block's P from which the rule runs the recomputing operator: 0, every attention under autograd, so
+# that the rule keeps what fused attention keeps (its inputs), not three L x S tensors. Measured on this CPU (regularized
+# training step of a 4-layer ViT, dim 64, captured engine, interleaved medians): 257 tokens at batch 8, 0.89x the step
+# time of the composite, which keeps P, dS, dP (an earlier engine had it 1.3x); 65 tokens at batch 32, 1.00x; 17 tokens
+# at batch 32 (P small beside the L x E activations), 1.09x, with 1.99x the plain step's saved-for-backward bytes
+# instead of 2.22x (the plain step on the doubled batch: 2.00x). Raise it (``float("inf")``: never) to trade that
+# memory for the 9% where sequences are short.
+ATTENTION_RECOMPUTE_NUMEL = 0
 
 
 def attention_recomputed(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the rule runs :func:`attention_blocks`: where :func:`applies` on the clone ``x``, for floating-point
-    scores ``P`` of :data:`ATTENTION_RECOMPUTE_NUMEL` entries or more. Lower it (``1 << 16``) where memory binds: no
-    ``L x S`` tensor kept for backward, at ~1.3x the step time where attention dominates; ``float("inf")`` never
-    recomputes."""
+    scores ``P`` of :data:`ATTENTION_RECOMPUTE_NUMEL` entries or more (by default every one: no ``L x S`` tensor kept
+    for backward)."""
     if not q.is_floating_point():
         return False
     n = q.shape[-2] * k.shape[-2]
