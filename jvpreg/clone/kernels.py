@@ -248,8 +248,11 @@ def _channels(a, weight, mean):
 
 
 def _accumulated(total: Optional[torch.Tensor], term: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``total + term`` in place, ``term`` itself for the first term (no zero tensor to start from)."""
-    return term if total is None or term is None else total.add_(term)
+    """``total + term`` in place, ``term`` itself for the first term (no zero tensor to start from); ``None`` terms
+    (no weight) add nothing."""
+    if term is None:
+        return total
+    return term if total is None else total.add_(term)
 
 
 def _bn_tangent_terms(gj, dj, a, weight, mean, invstd, sum_dx_j, sum_d_j, eps, w, n):
