@@ -5,7 +5,8 @@ that computes the same tensors with the same gradients:
 
 * common-subexpression and dead-code elimination (:func:`optimize`);
 * the non-finite fix of :func:`jvpreg.clone.tensor.block_delta` dropped where the primal block provably
-  holds no infinity (:func:`_drop_finite_fixes`): ``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` is
+  holds no infinity (:func:`_drop_finite_fixes`): ``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` (``z == a``
+  alone where no gradient flows) is
   ``z - a`` when ``a`` is finite (no input that may hold one, no op that makes one by design on the way;
   bounded ops such as ``tanh`` and ``softmax``, a variance's ``rsqrt(var + eps)`` and a block read back out of
   its rule's ``stack`` count as finite; a cast to a narrower dtype does not: HF's ``finfo(float64).min`` mask turns
@@ -758,20 +759,23 @@ _EQ, _AND = torch.ops.aten.eq.Tensor, torch.ops.aten.__and__.Tensor
 
 
 def _nonfinite_fix(node: torch.fx.Node):
-    """``(d, a)`` if ``node`` is ``masked_fill(d, isnan(d) & (z == a), 0)`` with ``d = z - a``, else ``None``."""
+    """``(d, a)`` if ``node`` is :func:`jvpreg.clone.tensor.block_delta`'s fix, ``masked_fill(d, isnan(d) & (z == a),
+    0)`` or, where no gradient flows, ``masked_fill(d, z == a, 0)``, with ``d = z - a``; else ``None``."""
     if node.target is not _MASKED_FILL or len(node.args) != 3 or node.args[2] != 0 or node.kwargs:
         return None
     d, m = node.args[0], node.args[1]
     if not (isinstance(d, torch.fx.Node) and d.target is _SUB and len(d.args) == 2 and not d.kwargs):
         return None
-    if not (isinstance(m, torch.fx.Node) and m.target is _AND and len(m.args) == 2):
-        return None
-    isnan, eq = m.args
-    if not (isinstance(isnan, torch.fx.Node) and isnan.target is _ISNAN and isnan.args[0] is d):
-        return None
+    isnan = None
+    if isinstance(m, torch.fx.Node) and m.target is _AND and len(m.args) == 2:
+        isnan, eq = m.args
+        if not (isinstance(isnan, torch.fx.Node) and isnan.target is _ISNAN and isnan.args[0] is d):
+            return None
+    else:
+        eq = m
     if not (isinstance(eq, torch.fx.Node) and eq.target is _EQ and tuple(eq.args) == tuple(d.args)):
         return None
-    if set(d.users) != {isnan, node} or any(_writes(u) for u in node.users):
+    if set(d.users) != {isnan, node} - {None} or any(_writes(u) for u in node.users):
         return None  # ``d`` would alias what the fill returns: an in-place write to it would reach d's readers
     return d, d.args[1]
 

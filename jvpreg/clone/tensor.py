@@ -156,9 +156,16 @@ def block_delta(z: torch.Tensor, a: torch.Tensor, *, nonfinite: bool = True) -> 
     Equal *finite* entries are not touched, so gradients through ``z - a`` stay exact.
     ``nonfinite=False``: the plain ``z - a``, for rules whose output is NaN wherever an entry of the primal is
     infinite whatever its tangent (a normalisation: the entry is in its row's statistics).
+
+    Where no gradient flows through the difference, every equal entry is filled (``z == a`` alone: an equal finite
+    entry's difference is 0 anyway, ``-0.0 - 0.0 = -0.0`` becoming ``0.0``): two kernels fewer, equal values.
     """
     d = z - a
-    return d.masked_fill(torch.isnan(d) & (z == a), 0) if nonfinite else d
+    if not nonfinite:
+        return d
+    if torch.is_grad_enabled() and (z.requires_grad or a.requires_grad):
+        return d.masked_fill(torch.isnan(d) & (z == a), 0)
+    return d.masked_fill(z == a, 0)
 
 
 def each_block(fn: Callable[[torch.Tensor], torch.Tensor], d: torch.Tensor) -> torch.Tensor:

@@ -108,9 +108,21 @@ class AsModule(nn.Module):
         return self.f(self, x)
 
 
+def _is_fix(node) -> bool:
+    """A kept non-finite fix: ``masked_fill(d, m, 0)`` with ``m = isnan(d) & (z == a)`` or, where no gradient flows,
+    ``m = (z == a)`` (the passes may have moved an ``unsqueeze`` between ``d`` and the fill)."""
+    if node.target is not torch.ops.aten.masked_fill.Scalar or node.args[2] != 0:
+        return False
+    mask = node.args[1]
+    return mask.target is torch.ops.aten.eq.Tensor or (mask.target in (torch.ops.aten.bitwise_and.Tensor,
+                                                                       torch.ops.aten.__and__.Tensor)
+                                                        and torch.ops.aten.isnan.default in
+                                                        {a.target for a in mask.args})
+
+
 def fixes(module):
-    """Number of ``isnan`` kernels (one per kept non-finite fix) in each captured program of ``module``."""
-    return [sum(n.target is torch.ops.aten.isnan.default for n in p.gm.graph.nodes)
+    """Number of kept non-finite fixes in each captured program of ``module``."""
+    return [sum(n.op == "call_function" and _is_fix(n) for n in p.gm.graph.nodes)
             for p in capture.programs(module).values() if p.gm is not None]
 
 
@@ -234,3 +246,35 @@ def test_sdpa_fully_masked_row_penalty_gradient_is_finite_and_exact(monkeypatch,
     assert torch.equal(y[:, 0], torch.zeros_like(y[:, 0])) and torch.isfinite(t).all()
     torch.testing.assert_close(t, rt.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(g, rg, rtol=1e-10, atol=1e-12)
+
+
+def test_the_fix_without_gradients_gives_the_values_of_the_fix_with_them():
+    """``block_delta``'s two forms (``isnan(d) & (z == a)`` where a gradient flows, ``z == a`` alone where none does,
+    two kernels fewer) on every kind of entry: equal and different finite ones, signed zeros, shared and opposite
+    infinities, NaNs in either block."""
+    from jvpreg.clone.tensor import block_delta
+
+    inf, nan = INF, float("nan")
+    a = torch.tensor([1.0, 1.0, 0.0, -0.0, inf, -inf, inf, nan, 2.0, nan, 3.0], dtype=D)
+    z = torch.tensor([[1.0, 2.5, -0.0, 0.0, inf, -inf, -inf, 1.0, nan, nan, inf]], dtype=D)
+    with torch.no_grad():
+        cheap = block_delta(z, a)
+    graded = block_delta(z.clone().requires_grad_(), a)
+    assert graded.requires_grad
+    torch.testing.assert_close(cheap, graded.detach(), rtol=0, atol=0, equal_nan=True)  # -0.0 == 0.0: equal values
+    assert cheap[0, :6].eq(torch.tensor([0.0, 1.5, 0.0, 0.0, 0.0, 0.0], dtype=D)).all()  # inf - inf -> 0
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_jvps_without_gradients_equal_those_with_them(name):
+    """The same masks through whole JVPs: under ``torch.no_grad`` (the cheaper fix) as with a graph."""
+    f = PATTERNS[name]
+    torch.manual_seed(0)
+    x, u = torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y, t = jvpreg.jvp(f, (x.clone().requires_grad_(),), (u,))
+        with torch.no_grad():
+            y_ng, t_ng = jvpreg.jvp(f, (x,), (u,))
+    torch.testing.assert_close(t_ng, t.detach(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(y_ng, y.detach(), rtol=0, atol=0, equal_nan=True)
