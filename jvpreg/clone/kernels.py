@@ -705,18 +705,24 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 # instead of 2.22x (the plain step on the doubled batch: 2.00x). Raise it (``float("inf")``: never) to trade that
 # memory for the 9% where sequences are short.
 ATTENTION_RECOMPUTE_NUMEL = 0
+# The same in programs for ``engine="compiled"``, where Inductor fuses the composite (and its partitioner chooses what
+# to keep): 2^24 (64 MiB of float32 per L x S tensor). The 17-token ViT's compiled step took 1.08x the time with the
+# operator at every size.
+COMPILED_ATTENTION_RECOMPUTE_NUMEL = 1 << 24
 
 
 def attention_recomputed(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the rule runs :func:`attention_blocks`: where :func:`applies` on the clone ``x``, for floating-point
     scores ``P`` of :data:`ATTENTION_RECOMPUTE_NUMEL` entries or more (by default every one: no ``L x S`` tensor kept
-    for backward)."""
+    for backward; :data:`COMPILED_ATTENTION_RECOMPUTE_NUMEL` in a program to be compiled)."""
+    from .tensor import compiling
+
     if not q.is_floating_point():
         return False
     n = q.shape[-2] * k.shape[-2]
     for d in torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]):
         n *= d
-    return n >= ATTENTION_RECOMPUTE_NUMEL and applies(x)
+    return n >= (COMPILED_ATTENTION_RECOMPUTE_NUMEL if compiling() else ATTENTION_RECOMPUTE_NUMEL) and applies(x)
 
 
 @_operator("attention_blocks")
