@@ -6,7 +6,7 @@ that computes the same tensors with the same gradients:
 * common-subexpression and dead-code elimination (:func:`optimize`);
 * the non-finite fix of :func:`jvpreg.clone.tensor.block_delta` dropped where the primal block provably
   holds no infinity (:func:`_drop_finite_fixes`): ``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` (``z == a``
-  alone where no gradient flows) is
+  alone with gradients disabled) is
   ``z - a`` when ``a`` is finite (no input that may hold one, no op that makes one by design on the way;
   bounded ops such as ``tanh`` and ``softmax``, a variance's ``rsqrt(var + eps)`` and a block read back out of
   its rule's ``stack`` count as finite; a cast to a narrower dtype does not: HF's ``finfo(float64).min`` mask turns
@@ -760,7 +760,7 @@ _EQ, _AND = torch.ops.aten.eq.Tensor, torch.ops.aten.__and__.Tensor
 
 def _nonfinite_fix(node: torch.fx.Node):
     """``(d, a)`` if ``node`` is :func:`jvpreg.clone.tensor.block_delta`'s fix, ``masked_fill(d, isnan(d) & (z == a),
-    0)`` or, where no gradient flows, ``masked_fill(d, z == a, 0)``, with ``d = z - a``; else ``None``."""
+    0)`` or, with gradients disabled, ``masked_fill(d, z == a, 0)``, with ``d = z - a``; else ``None``."""
     if node.target is not _MASKED_FILL or len(node.args) != 3 or node.args[2] != 0 or node.kwargs:
         return None
     d, m = node.args[0], node.args[1]

@@ -157,13 +157,15 @@ def block_delta(z: torch.Tensor, a: torch.Tensor, *, nonfinite: bool = True) -> 
     ``nonfinite=False``: the plain ``z - a``, for rules whose output is NaN wherever an entry of the primal is
     infinite whatever its tangent (a normalisation: the entry is in its row's statistics).
 
-    Where no gradient flows through the difference, every equal entry is filled (``z == a`` alone: an equal finite
-    entry's difference is 0 anyway, ``-0.0 - 0.0 = -0.0`` becoming ``0.0``): two kernels fewer, equal values.
+    With gradients disabled, every equal entry is filled (``z == a`` alone: an equal finite entry's difference is 0
+    anyway, ``-0.0 - 0.0 = -0.0`` becoming ``0.0``): two kernels fewer, equal values. The choice follows grad mode
+    only, which a captured program is guarded on; not whether ``z`` or ``a`` requires grad: a program recorded while
+    the parameters did not would replay the fill's zero gradient at equal entries once they do.
     """
     d = z - a
     if not nonfinite:
         return d
-    if torch.is_grad_enabled() and (z.requires_grad or a.requires_grad):
+    if torch.is_grad_enabled():
         return d.masked_fill(torch.isnan(d) & (z == a), 0)
     return d.masked_fill(z == a, 0)
 

@@ -278,3 +278,37 @@ def test_jvps_without_gradients_equal_those_with_them(name):
             y_ng, t_ng = jvpreg.jvp(f, (x,), (u,))
     torch.testing.assert_close(t_ng, t.detach(), rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(y_ng, y.detach(), rtol=0, atol=0, equal_nan=True)
+
+
+class _CancellingRow(nn.Module):
+    """A weight row orthogonal to the tangent (difference exactly 0 there, its gradient w.r.t. the row not 0), then a
+    ``-inf`` mask, so the softmax rule keeps the non-finite fix on a difference with equal finite entries."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 3, bias=False)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.tensor([[1.0, -1.0], [0.5, 2.0], [3.0, 1.0]]))
+
+    def forward(self, x):
+        return torch.softmax(self.lin(x).masked_fill(torch.tensor([False, False, True]), -INF), -1)
+
+
+def test_a_program_captured_with_frozen_parameters_gives_exact_gradients_once_they_are_trained():
+    """The fix's form follows grad mode (guarded), not ``requires_grad``: a program recorded while the parameters did not
+    require grad is replayed once they do (no recapture), and a gradient-free fill would zero the gradient at the
+    equal entry (row 0: 0.18 where torch.func gives 0.83)."""
+    model = _CancellingRow().to(D)
+    x, u = torch.tensor([[0.3, -0.2]], dtype=D), torch.tensor([[1.0, 1.0]], dtype=D)
+    c = torch.tensor([[1.0, -2.0, 0.5]], dtype=D)
+    model.requires_grad_(False)
+    for _ in range(2):
+        jvpreg.jvp(model, (x,), (u,), engine="captured")
+    model.requires_grad_(True)
+    _, t = jvpreg.jvp(model, (x,), (u,), engine="captured")
+    (t * c).sum().backward()
+    w = model.lin.weight.detach().clone().requires_grad_()
+    mask = torch.tensor([False, False, True])
+    rt = torch.func.jvp(lambda z: torch.softmax((z @ w.T).masked_fill(mask, -INF), -1), (x,), (u,))[1]
+    (rt * c).sum().backward()
+    torch.testing.assert_close(model.lin.weight.grad, w.grad, rtol=1e-12, atol=1e-12)
