@@ -97,10 +97,11 @@ def jvp_row(suite: str, name: str) -> dict:
         for p in model.parameters():
             p.requires_grad_(False)
         x, u = torch.randn(shape, device=device), torch.randn(shape, device=device)
-        for _ in range(3):  # a capture, then replays
-            jvpreg.jvp(model, (x,), (u,), engine="captured")
-        plain = counted(lambda: model(torch.cat([x, x + u])))  # no parameter requires grad: no graph either way
-        call = counted(lambda: jvpreg.jvp(model, (x,), (u,), engine="captured"))
+        with torch.no_grad():  # as an analysis call or `bench capture` runs it
+            for _ in range(3):  # a capture, then replays
+                jvpreg.jvp(model, (x,), (u,), engine="captured")
+            plain = counted(lambda: model(torch.cat([x, x + u])))
+            call = counted(lambda: jvpreg.jvp(model, (x,), (u,), engine="captured"))
         row[f"forward_2B_{path}"] = plain.kernels
         row[f"captured_{path}"] = call.kernels
         row[f"host_reads_{path}"] = call.host_reads
