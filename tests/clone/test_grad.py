@@ -442,6 +442,65 @@ def test_large_attention_keeps_no_score_sized_tensor(engine, monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+def _attention_operator_grads(chunk_numel, monkeypatch):
+    """Gradients (and a second-order one) of the recomputing attention operator on inputs that broadcast along the
+    batch dim: a query and a float mask of batch 1 against keys and values of batch 3."""
+    from jvpreg.clone import kernels
+
+    monkeypatch.setattr(kernels, "ATTENTION_BACKWARD_CHUNK_NUMEL", chunk_numel)
+    g = torch.Generator().manual_seed(0)
+    n, h, length, keys, e = 3, 2, 5, 7, 4
+    shapes = [(1, h, length, e), (n, h, keys, e), (n, h, keys, e), (2, n, h, keys, e), (1, 1, h, length, e),
+              (1, n, h, keys, e), (1, 1, length, keys)]
+    ins = [torch.randn(*s, dtype=D, generator=g).requires_grad_() for s in shapes]
+    q, k, v, blocks, dq, dk, mask = ins
+    out = kernels.attention_blocks(q, k, blocks[0] + 0 * v, blocks, dq, dk, mask, 0.5, False, 2)
+    grads = torch.autograd.grad(out.pow(2).sum(), ins, create_graph=True)
+    second = torch.autograd.grad(sum(x.pow(2).sum() for x in grads), ins)
+    return [out, *grads, *second]
+
+
+def test_attention_backward_by_chunks_equals_the_whole_batch(monkeypatch):
+    """The recomputing attention operator's backward one batch row at a time: sliced inputs concatenate their
+    chunks' gradients, broadcast ones (a query and a mask of batch 1) sum them; first and second order match the
+    backward over the whole batch."""
+    whole = _attention_operator_grads(float("inf"), monkeypatch)
+    chunked = _attention_operator_grads(1, monkeypatch)
+    for a, b in zip(chunked, whole):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.slow  # the profiler's memory timeline: 10 s
+def test_attention_backward_by_chunks_lowers_the_live_peak(monkeypatch):
+    """The recomputed backward keeps P, dS, dP and their gradients for one chunk of the batch at a time: a
+    regularized step's live-tensor peak falls well below the whole-batch backward's."""
+    from jvpreg.bench import memory
+    from jvpreg.clone import kernels
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True)
+    x, u = torch.randn(4, 64, 16), torch.randn(4, 64, 16)
+
+    def live_peak(chunk_numel):
+        monkeypatch.setattr(kernels, "ATTENTION_BACKWARD_CHUNK_NUMEL", chunk_numel)
+        model = SelfAttention(mha)
+
+        def step():
+            _, t = jvpreg.jvp(model, (x,), (u,))
+            t.pow(2).sum().backward()
+
+        step()
+        return memory.peak_live_bytes(step)
+
+    whole = live_peak(float("inf"))
+    if whole is None:
+        pytest.skip("torch.profiler's memory timeline is not available")
+    scores = 2 * 4 * 2 * 64 * 64 * 4  # every block's P, float32
+    assert whole > 2 * scores  # P, dS, dP ... of the whole batch
+    assert live_peak(2 * 64 * 64) < 0.5 * whole  # one batch row (2 heads) at a time
+
+
 class _Normed(nn.Module):
     """Norms whose weights ``w(a)`` carry second-order terms into a penalty's gradient."""
 
