@@ -707,7 +707,8 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 ATTENTION_RECOMPUTE_NUMEL = 0
 # The same in programs for ``engine="compiled"``, where Inductor fuses the composite (and its partitioner chooses what
 # to keep): 2^24 (64 MiB of float32 per L x S tensor). The 17-token ViT's compiled step took 1.08x the time with the
-# operator at every size.
+# operator at every size; the 257-token ViT's at batch 8 (2^21 entries of P) 1.2x (220-227 against 180-185 ms, `bench
+# train`, two fresh processes each) for a live-tensor peak of 139 MiB instead of 225 MiB (lower it to trade the time).
 COMPILED_ATTENTION_RECOMPUTE_NUMEL = 1 << 24
 
 
@@ -753,8 +754,8 @@ def _keep_attention_inputs(ctx, inputs, output):
 # backward runs over chunks of the leading batch dim, so that the L x S tensors it recomputes (P, dS, dP for every
 # block, and their gradients) live for one chunk at a time. Measured on this CPU (regularized step of a 4-layer ViT
 # with 257 tokens at batch 8, 1 thread): live-tensor peak 146 -> 84 MiB (plain step on the doubled batch: 54 MiB), RSS
-# peak 266 -> 168 MiB; step time no slower (the two interleaved in one process: 235 against 355 ms; the benchmark's
-# rows, separate runs: 255 against 243 ms). ``float("inf")``: the whole batch at once.
+# peak 266 -> 168 MiB; step time 232-263 ms against 315-348 ms (`bench train --methods plain_2b,clone`, fresh
+# processes; plain 2B 119-125 ms): smaller temporaries. ``float("inf")``: the whole batch at once.
 ATTENTION_BACKWARD_CHUNK_NUMEL = 1 << 20
 # The same on accelerators, where each chunk launches the backward's kernels again (~40): 2^24 (64 MiB of float32
 # per L x S tensor; a ViT-B/16 at batch 32 runs in one chunk, at batch 128 in four).

@@ -442,6 +442,32 @@ def test_large_attention_keeps_no_score_sized_tensor(engine, monkeypatch):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # two compilations
+def test_compiled_program_runs_the_recomputing_attention_operator_from_its_threshold(monkeypatch):
+    """In a program for ``engine="compiled"`` attention runs as the recomputing operator from
+    COMPILED_ATTENTION_RECOMPUTE_NUMEL entries of P (the composite below): the same JVP and penalty gradients."""
+    from jvpreg.clone import capture, kernels
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).to(D)
+    x, u = torch.randn(2, 6, 8, dtype=D), torch.randn(2, 6, 8, dtype=D)
+
+    def run(threshold):
+        monkeypatch.setattr(kernels, "COMPILED_ATTENTION_RECOMPUTE_NUMEL", threshold)
+        model = SelfAttention(mha)
+        xg = x.clone().requires_grad_()
+        _, t = jvpreg.jvp(model, (xg,), (u,), engine="compiled")
+        (program,) = [p for p in capture.programs(model).values() if p.gm is not None]
+        ops = {str(n.target) for n in program.gm.graph.nodes if n.op == "call_function"}
+        return "jvpreg.attention_blocks.default" in ops, [t, *torch.autograd.grad(t.pow(2).sum(), [xg, *mha.parameters()])]
+
+    recomputed, got = run(0)
+    composite, want = run(float("inf"))
+    assert recomputed and not composite
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def _attention_operator_grads(chunk_numel, monkeypatch):
     """Gradients (and a second-order one) of the recomputing attention operator on inputs that broadcast along the
     batch dim: a query and a float mask of batch 1 against keys and values of batch 3."""
