@@ -468,16 +468,21 @@ def test_compiled_program_runs_the_recomputing_attention_operator_from_its_thres
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def _attention_operator_grads(chunk_numel, monkeypatch):
-    """Gradients (and a second-order one) of the recomputing attention operator on inputs that broadcast along the
-    batch dim: a query and a float mask of batch 1 against keys and values of batch 3."""
+_BROADCASTS = {  # q, k, v, blocks, dq, dk, mask shapes of the recomputing attention operator (batch 3, heads 2)
+    "query-and-mask-broadcast": [(1, 2, 5, 4), (3, 2, 7, 4), (3, 2, 7, 4), (2, 3, 2, 7, 4), (1, 1, 2, 5, 4),
+                                 (1, 3, 2, 7, 4), (1, 1, 5, 7)],
+    "only-value-and-mask-batched": [(1, 2, 5, 4), (1, 2, 7, 4), (3, 2, 7, 4), (2, 3, 2, 7, 4), (1, 1, 2, 5, 4),
+                                    (1, 1, 2, 7, 4), (3, 1, 5, 7)],
+}
+
+
+def _attention_operator_grads(shapes, chunk_numel, monkeypatch):
+    """Output, gradients and a second-order gradient of the recomputing attention operator for inputs of
+    ``shapes`` (some broadcast along the batch dim)."""
     from jvpreg.clone import kernels
 
     monkeypatch.setattr(kernels, "ATTENTION_BACKWARD_CHUNK_NUMEL", chunk_numel)
     g = torch.Generator().manual_seed(0)
-    n, h, length, keys, e = 3, 2, 5, 7, 4
-    shapes = [(1, h, length, e), (n, h, keys, e), (n, h, keys, e), (2, n, h, keys, e), (1, 1, h, length, e),
-              (1, n, h, keys, e), (1, 1, length, keys)]
     ins = [torch.randn(*s, dtype=D, generator=g).requires_grad_() for s in shapes]
     q, k, v, blocks, dq, dk, mask = ins
     out = kernels.attention_blocks(q, k, blocks[0] + 0 * v, blocks, dq, dk, mask, 0.5, False, 2)
@@ -486,12 +491,13 @@ def _attention_operator_grads(chunk_numel, monkeypatch):
     return [out, *grads, *second]
 
 
-def test_attention_backward_by_chunks_equals_the_whole_batch(monkeypatch):
+@pytest.mark.parametrize("shapes", _BROADCASTS.values(), ids=_BROADCASTS.keys())
+def test_attention_backward_by_chunks_equals_the_whole_batch(shapes, monkeypatch):
     """The recomputing attention operator's backward one batch row at a time: sliced inputs concatenate their
-    chunks' gradients, broadcast ones (a query and a mask of batch 1) sum them; first and second order match the
+    chunks' gradients, broadcast ones (batch 1 against the output's 3) sum them; first and second order match the
     backward over the whole batch."""
-    whole = _attention_operator_grads(float("inf"), monkeypatch)
-    chunked = _attention_operator_grads(1, monkeypatch)
+    whole = _attention_operator_grads(shapes, float("inf"), monkeypatch)
+    chunked = _attention_operator_grads(shapes, 1, monkeypatch)
     for a, b in zip(chunked, whole):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
