@@ -8,7 +8,8 @@ Fused kernels hide P, so the tangent is computed with explicit products (P is ma
 for the primal block; :func:`jvpreg.clone.kernels.linearised_attention`). Under autograd, where ``P`` is large
 (:func:`jvpreg.clone.kernels.attention_recomputed`), it runs as one operator that keeps only its inputs and
 recomputes ``P``, ``dS`` and ``dP`` in the backward: no ``L x S`` tensor kept, as fused attention keeps none (and
-the recomputed ones live for a chunk of the batch at a time: :data:`jvpreg.clone.kernels.ATTENTION_BACKWARD_CHUNK_NUMEL`).
+the recomputed ones live for a chunk of the batch at a time:
+:data:`jvpreg.clone.kernels.ATTENTION_BACKWARD_CHUNK_NUMEL`).
 Block j of the output is ``(P M) z_j + (dP_j M) v`` with ``z_j = v + dv_j`` the value's block: one product of
 ``P M`` with every value block at once, plus ``dP_j`` times the primal value.
 ``F.multi_head_attention_forward`` is run op by op on the clone batch (its projections, reshapes
