@@ -6,6 +6,7 @@ or NaN. Each pattern is compared with ``torch.func.jvp`` in float64.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -24,6 +25,19 @@ INF = float("inf")
 
 def causal(n):
     return torch.ones(n, n, dtype=torch.bool).triu(1)
+
+
+def inputs():
+    """A point ``x`` and a direction ``u`` of the patterns' shape (drawn from the current seed)."""
+    return torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D)
+
+
+@contextlib.contextmanager
+def quiet():
+    """Warnings off: the patterns' fallbacks and captures warn by design."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def causal_attention(x):
@@ -75,9 +89,8 @@ PATTERNS = {
 def test_inf_masks_give_exact_tangents(name):
     f = PATTERNS[name]
     torch.manual_seed(0)
-    x, u = torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    x, u = inputs()
+    with quiet():
         y, t = jvpreg.jvp(f, (x,), (u,))
     with sdpa_kernel(SDPBackend.MATH):  # the fused CPU kernel has no forward AD
         ry, rt = torch.func.jvp(f, (x,), (u,))
@@ -127,8 +140,7 @@ def fixes(module):
 
 
 def jvps(module, x, u):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         eager = jvpreg.jvp(module, (x,), (u,), engine="eager")
         captured = [jvpreg.jvp(module, (x,), (u,), engine="captured") for _ in range(2)]
     for got in captured:
@@ -142,7 +154,7 @@ def test_captured_inf_masks_equal_eager(name):
     """Captured programs drop the fix only where the primal provably holds no infinity: NaN for NaN."""
     torch.manual_seed(0)
     module = AsModule(lambda self, x: PATTERNS[name](x))
-    jvps(module, torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D))
+    jvps(module, *inputs())
 
 
 def mlp(self, x):
@@ -193,7 +205,7 @@ def test_a_narrowing_cast_keeps_the_fix(cast):
             (x @ x.transpose(-2, -1)).masked_fill(causal(5), torch.finfo(D).min).to(torch.float32), -1).to(D))
     else:
         module = AsModule(float32_softmax_of_a_float64_mask)
-    x, u = torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D)
+    x, u = inputs()
     y, t = jvps(module, x, u)  # captured == eager, NaN for NaN
     assert fixes(module)[0] >= 1  # the softmax's: its float32 primal holds -inf
     assert torch.isfinite(t).all()
@@ -206,7 +218,7 @@ def test_a_float64_mask_buffer_cast_to_float32_keeps_the_fix():
     torch.manual_seed(0)
     mask = torch.zeros(5, 5, dtype=D).masked_fill(causal(5), torch.finfo(D).min)
     module = AsModule(lambda self, x: torch.softmax((x @ x.transpose(-2, -1) + self.mask).float(), -1).to(D), mask)
-    x, u = torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D)
+    x, u = inputs()
     y, t = jvps(module, x, u)
     assert torch.isfinite(t).all() and fixes(module)[0] >= 1
 
@@ -237,7 +249,7 @@ def test_sdpa_fully_masked_row_penalty_gradient_is_finite_and_exact(monkeypatch,
     def f(x):
         return F.scaled_dot_product_attention(x @ w, x, x.tanh(), attn_mask=mask)
 
-    x, u = torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D)
+    x, u = inputs()
     y, t = jvpreg.jvp(f, (x,), (u,), engine="eager")
     (g,) = torch.autograd.grad(t.pow(2).sum(), w)
     with sdpa_kernel(SDPBackend.MATH):
@@ -270,9 +282,8 @@ def test_jvps_without_gradients_equal_those_with_them(name):
     """The same masks through whole JVPs: under ``torch.no_grad`` (the cheaper fix) as with a graph."""
     f = PATTERNS[name]
     torch.manual_seed(0)
-    x, u = torch.randn(2, 5, 5, dtype=D), torch.randn(2, 5, 5, dtype=D)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    x, u = inputs()
+    with quiet():
         y, t = jvpreg.jvp(f, (x.clone().requires_grad_(),), (u,))
         with torch.no_grad():
             y_ng, t_ng = jvpreg.jvp(f, (x,), (u,))
