@@ -578,15 +578,17 @@ def _(d, a, weight, mean, rstd, normalized_shape, eps):
 
 def _ln_tangent_backward(ctx, grad):
     """Gradients of ``L = sum_j <g_j, t_j>`` w.r.t. ``d``, ``a`` and ``gamma``: per row of ``N`` entries, with
-    ``G = gamma g_j``, sums ``S_x = sum(x)``, ``dbar = S_d / N``, ``c = S_dxhat / N``, ``k = r^2 / N``,
+    ``P(v) = v - mean(v) - xhat mean(v xhat)`` (a symmetric projection), ``G = gamma g_j``, ``u_j = r P(d_j)`` (the
+    tangent without ``gamma``) and ``h_j = r P(G)`` (the LayerNorm backward kernel of ``g_j``),
 
-        dL/dd_j = LN_backward(g_j; gamma)    (t is gamma r P(d) with P a symmetric projection)
-        dL/da   = sum_j k [xhat (3 c S_Gxhat + dbar S_G - S_Gd) + S_Gxhat dbar + c S_G - S_Gxhat d_j - N c G]
-        dL/dgamma = sum over rows of g_j * r P(d_j)
+        dL/dd_j = h_j
+        dL/da   = -r sum_j [mean(G u_j) xhat + mean(d_j xhat) h_j + mean(G xhat) u_j]
+        dL/dgamma = sum over rows of g_j u_j
 
-    (:func:`_bn_tangent_backward`'s formulas per row). Under ``create_graph``: autograd of the tangent's
-    primitive-op form with statistics recomputed from ``a`` (exact at every order; torch's double backward of
-    ``native_layer_norm_backward`` holds the statistics fixed in its own derivative)."""
+    (``L = r <G, P(d_j)>`` per row; ``r`` and ``xhat`` are the functions of ``a`` that carry its derivative: two
+    LayerNorm backward kernels and three row means per tangent, ~17 kernels for one). Under ``create_graph``: autograd
+    of the tangent's primitive-op form with statistics recomputed from ``a`` (exact at every order; torch's double
+    backward of ``native_layer_norm_backward`` holds the statistics fixed in its own derivative)."""
     if grad is None:
         return None, None, None, None, None, None, None
     d, a, weight, mean, rstd = ctx.saved_tensors
@@ -601,27 +603,29 @@ def _ln_tangent_backward(ctx, grad):
         return tuple(out)
     rows = mean.numel()
     n = a.numel() // rows if rows else 0
-    r, mu = rstd.reshape(rows, 1), mean.reshape(rows, 1)
-    xhat = (a.reshape(rows, n) - mu) * r
-    k = r * r / n
-    dot = torch.linalg.vecdot
-    need_w = weight is not None and ctx.needs_input_grad[2]
+    r = rstd.reshape(rows, 1)
+    xhat = (a.reshape(rows, n) - mean.reshape(rows, 1)).mul_(r)
+    need_a, need_w = ctx.needs_input_grad[1], weight is not None and ctx.needs_input_grad[2]
     grad_d, grad_a, grad_w = [], None, None
     for j in range(d.shape[0]):
-        gj, dj = grad[j].reshape(rows, n), d[j].reshape(rows, n)
-        grad_d.append(_ln_backward(grad[j], a, shape, mean, rstd, weight, None, [True, False, False])[0])
-        if need_w:  # sum over rows of g_j * r P(d_j): the tangent without gamma, recomputed (not kept)
-            t = _ln_backward(d[j], a, shape, mean, rstd, None, None, [True, False, False])[0].reshape(rows, n)
-            gw = (gj * t).sum(0)
+        h = _ln_backward(grad[j], a, shape, mean, rstd, weight, None, [True, False, False])[0]
+        grad_d.append(h)
+        if not (need_a or need_w):
+            continue
+        u = _ln_backward(d[j], a, shape, mean, rstd, None, None, [True, False, False])[0].reshape(rows, n)
+        gj = grad[j].reshape(rows, n)
+        if need_w:
+            gw = (gj * u).sum(0)
             grad_w = gw if grad_w is None else grad_w.add_(gw)
-        big = gj if weight is None else gj * weight.reshape(1, n)
-        s_g, s_gx, s_gd = big.sum(-1, keepdim=True), dot(big, xhat).unsqueeze(-1), dot(big, dj).unsqueeze(-1)
-        dbar, c = dj.mean(-1, keepdim=True), dot(dj, xhat).unsqueeze(-1) / n
-        ga = (xhat * (k * (3 * c * s_gx + dbar * s_g - s_gd))).add_(k * (s_gx * dbar + c * s_g))
-        ga.addcmul_(k * s_gx, dj, value=-1).addcmul_(r * r * c, big, value=-1)
-        grad_a = ga if grad_a is None else grad_a.add_(ga)
+        if need_a:
+            big = gj if weight is None else gj * weight.reshape(1, n)
+            ga = xhat * (big * u).mean(-1, keepdim=True)
+            ga.addcmul_(h.reshape(rows, n), (d[j].reshape(rows, n) * xhat).mean(-1, keepdim=True))
+            ga.addcmul_(u, (big * xhat).mean(-1, keepdim=True))
+            grad_a = ga if grad_a is None else grad_a.add_(ga)
+    grad_a = None if grad_a is None else grad_a.mul_(-r).reshape(a.shape)
     grad_w = None if grad_w is None else grad_w.reshape(weight.shape).to(weight.dtype)
-    return _stacked(grad_d), grad_a.reshape(a.shape), grad_w, None, None, None, None
+    return _stacked(grad_d), grad_a, grad_w, None, None, None, None
 
 
 def layer_norm_tangent_composite(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], dims: int,
@@ -737,6 +741,7 @@ def attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: 
 
 
 def _attention(q, k, v, blocks, dq, dk, mask, scale, causal, kk):
+    q, k = q.contiguous(), k.contiguous()  # once, not in each product (the rule's copies already are)
     p = attention_probs(q, k, mask, scale, causal)
     return linearised_attention(p, q, k, v, blocks, dq, dk, None, 0.0, scale, kk)
 

@@ -133,12 +133,13 @@ def primal_block(t: Any) -> Any:
     return t[0] if type(t) is CloneTensor else t
 
 
-def kept_primal(t: torch.Tensor) -> torch.Tensor:
+def kept_primal(t: torch.Tensor, memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
     """Block 0 of a physical ``(K, ...)`` tensor, for a rule whose ops keep it for backward: a copy under
     autograd (a view would keep every block alive until backward, where the tangent blocks are read only
-    once, for ``d_j``), the view otherwise. One block held per rule instead of ``K``."""
+    once, for ``d_j``), the view otherwise. One block held per rule instead of ``K``. ``memory_format``: the
+    copy's layout (``torch.contiguous_format`` for a rule whose products would each copy a permuted view)."""
     a = t[0]
-    return a.clone() if torch.is_grad_enabled() and a.requires_grad else a
+    return a.clone(memory_format=memory_format) if torch.is_grad_enabled() and a.requires_grad else a
 
 
 def varies(t: Any) -> bool:

@@ -286,6 +286,23 @@ def test_layer_norm_tangent_values_gradients_and_second_order(shape, normalized_
 
 
 
+@pytest.mark.parametrize("wrt", ["d", "a", "w", "a,w", "d,w"])
+def test_layer_norm_tangent_gradients_of_each_subset_of_inputs(wrt):
+    """The backward computes only what is asked for (``u = r P(d)`` and the row means only for ``a`` or ``gamma``):
+    every subset of inputs that requires grad gets the primitive-op form's gradients, in float64."""
+    torch.manual_seed(0)
+    a, d, w = torch.randn(3, 5, 6, dtype=D), torch.randn(2, 3, 5, 6, dtype=D), torch.randn(6, dtype=D)
+    inputs = {"d": d, "a": a, "w": w}
+    for name in wrt.split(","):
+        inputs[name].requires_grad_()
+    wanted = [inputs[name] for name in wrt.split(",")]
+    g = torch.randn_like(d)
+    got = torch.autograd.grad(_ln_tangent(d, a, w, (6,)), wanted, g)
+    want = torch.autograd.grad(kernels.layer_norm_tangent_composite(d, a, w, 1, EPS), wanted, g)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
 def test_direct_entries_cover_every_operator_and_match_it_bitwise():
     """The replay calls :data:`kernels.DIRECT` (the operators' own functions as an autograd.Function): one per jvpreg
     operator, same values and gradients bit for bit as the custom operator."""

@@ -66,7 +66,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  enable_gqa=False):
     """SDPA linearised at the primal block (formula in the module docstring)."""
     query, key, value, attn_mask = _one_rank(query, key, value, attn_mask)
-    q, k = (kept_primal(t) if is_clone(t) else t for t in (query, key))
+    q, k = (kept_primal(t, torch.contiguous_format) if is_clone(t) else t for t in (query, key))  # products' layout
     vary = varies(value)
     if vary:  # the product with every value block keeps them for backward: v is a view of them
         value = _owned(value)
