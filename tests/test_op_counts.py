@@ -38,10 +38,12 @@ def _bn_blocks(n):
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
 
 
-def test_a_regularized_batch_norm_block_launches_at_most_45_kernels_more_than_the_plain_2b_step():
+def test_a_regularized_batch_norm_block_launches_at_most_31_kernels_more_than_the_plain_2b_step():
     """Train-mode BatchNorm + ReLU + conv, one training step on the accelerator path: what one more block adds to the
     regularized step (captured) beyond what it adds to the plain step on the doubled batch (19 kernels: forward,
-    backward, SGD). 61 before the backward's per-channel coefficients were shared (36 small kernels, now 18)."""
+    backward, SGD). 61 before the backward's per-channel coefficients were shared (36 small kernels, then 18); 45
+    before the accelerator's backward took the form with a third BatchNorm kernel and 6 small ones
+    (:func:`jvpreg.clone.kernels.few_launches`)."""
     ops = load_script("op_counts")
     added = {}
     for method in ("plain_2b", "clone"):
@@ -57,7 +59,7 @@ def test_a_regularized_batch_norm_block_launches_at_most_45_kernels_more_than_th
         added[method] = counts[1].kernels - counts[0].kernels
         assert counts[1].host_reads == 0
     assert added["plain_2b"] == 19
-    assert added["clone"] - added["plain_2b"] <= 45, added
+    assert added["clone"] - added["plain_2b"] <= 31, added
 
 
 def test_main_writes_both_tables(tmp_path):

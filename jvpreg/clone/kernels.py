@@ -226,7 +226,9 @@ def _bn_tangent_backward(ctx, grad, _g_sdx, _g_sd):
 
 def _bn_tangent_grads(grad, d, a, weight, mean, invstd, sum_dx, sum_d, eps):
     """``(dL/dd, dL/da, dL/dgamma)`` of :func:`_bn_tangent_backward` (no graph), ``dL/dgamma`` ``None`` without a
-    weight."""
+    weight; on an accelerator by :func:`_bn_tangent_grads_few_launches`."""
+    if few_launches(a):
+        return _bn_tangent_grads_few_launches(grad, d, a, weight, mean, invstd, sum_dx, eps)
     ch, w, n = _channels(a, weight, mean)
     grad_d, grad_a, grad_w = [], None, None
     for j in range(d.shape[0]):
@@ -238,6 +240,38 @@ def _bn_tangent_grads(grad, d, a, weight, mean, invstd, sum_dx, sum_d, eps):
         ga.addcmul_(ch(coef_d), dj).addcmul_(ch(coef_g), gj)
         grad_a = ga if grad_a is None else grad_a.add_(ga)
         grad_w = _accumulated(grad_w, dgamma)
+    return _stacked(grad_d), grad_a.to(a.dtype), None if weight is None else grad_w.to(weight.dtype)
+
+
+def few_launches(t: torch.Tensor) -> bool:
+    """Whether the BatchNorm tangent's backward takes the form with fewer, larger kernels
+    (:func:`_bn_tangent_grads_few_launches`): on an accelerator, where a small network's step is launch-bound. The
+    CPU keeps the form expanded in ``a``, ``d_j``, ``g_j`` (one BatchNorm backward pass fewer: 1.3x faster here)."""
+    return t.device.type != "cpu"
+
+
+def _bn_tangent_grads_few_launches(grad, d, a, weight, mean, invstd, sum_dx, eps):
+    """:func:`_bn_tangent_grads` as ``dL/da = -r sum_j [mean(G u_j) xhat + mean(d_j xhat) h_j + mean(G xhat) u_j]``
+    (:func:`_bn_tangent_backward`), with ``u_j = r P(d_j)`` from a third BatchNorm backward kernel and six
+    ``(C,)`` products per tangent instead of eighteen (35 kernels per BatchNorm of a regularized step on a GPU's
+    path, 25 with this form; one more pass over the activations)."""
+    ch, w, n = _channels(a, weight, mean)
+    ones, zeros = (w if weight is None else torch.ones_like(mean)), torch.zeros_like(mean)
+    q = invstd * (-1.0 / n)
+    qw = q if weight is None else q * w
+    grad_d, grad_a, coef_a, grad_w = [], None, None, None
+    for j in range(d.shape[0]):
+        gj = grad[j]
+        h, s_gx, _ = _bn_backward(gj, a, w, None, None, mean, invstd, True, eps, [True, True, False])
+        u = _bn_backward(d[j], a, None, None, None, mean, invstd, True, eps, [True, False, False])[0]
+        s_gu = _bn_backward(gj, u, ones, None, None, zeros, ones, True, 0.0, [False, True, False])[1]  # sum(g u)
+        s_gx, s_gu = s_gx.to(mean.dtype), s_gu.to(mean.dtype)
+        grad_d.append(h)
+        ga = torch.mul(h, ch(q * sum_dx[j])).addcmul_(u, ch(qw * s_gx))
+        grad_a = ga if grad_a is None else grad_a.add_(ga)
+        coef_a = _accumulated(coef_a, torch.mul(qw, invstd).mul_(s_gu))
+        grad_w = _accumulated(grad_w, None if weight is None else s_gu)  # dL/dgamma = sum(g u)
+    grad_a.addcmul_(a, ch(coef_a)).sub_(ch(coef_a.mul_(mean)))  # + (a - mean) * sum_j (-r^2 gamma / N) sum(g u)
     return _stacked(grad_d), grad_a.to(a.dtype), None if weight is None else grad_w.to(weight.dtype)
 
 
