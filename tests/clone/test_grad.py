@@ -504,6 +504,44 @@ def test_attention_backward_by_chunks_equals_the_whole_batch(shapes, monkeypatch
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("k_blocks", [2, 3], ids=["one-tangent", "two-tangents"])
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("present", ["blocks,dq,dk", "blocks", "dq,dk", "dq", "dk", "blocks,dk"])
+def test_attention_written_out_backward_equals_autograd_of_the_recomputed_attention(present, causal, mask, k_blocks):
+    """The operator's first-order backward (written out, :func:`jvpreg.clone.kernels._attention_grads`) against
+    autograd of the attention it recomputes, in float64, for every input the rule may pass or leave out: value
+    blocks or a constant value, query and key tangents, no mask, a boolean one (one row fully masked: ``P`` 0 there)
+    or an additive one that requires grad (a learned position bias), causal or not, one or two tangents, a query
+    and a mask of batch 1 against keys of batch 3."""
+    from jvpreg.clone import kernels
+
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, dtype=D, generator=g).requires_grad_()  # noqa: E731
+    kt = k_blocks - 1
+    q, k, v = rand(1, 2, 5, 4), rand(3, 2, 7, 4), rand(3, 2, 7, 3)
+    blocks = rand(k_blocks, 3, 2, 7, 3) if "blocks" in present else None
+    dq = rand(kt, 1, 2, 5, 4) if "dq" in present.split(",") else None
+    dk = rand(kt, 3, 2, 7, 4) if "dk" in present.split(",") else None
+    m = None
+    if mask == "bool":
+        m = torch.rand(1, 1, 5, 7, generator=g) > 0.3
+        m[..., 0, :] = m[..., 1, :] = True
+        m[..., 2, :] = False  # a row whose keys are all masked
+    elif mask == "float":
+        m = rand(1, 2, 5, 7)
+    ins = [q, k, v, blocks, dq, dk, m]
+    wrt = [t for t in ins if t is not None and t.requires_grad]
+    grad = torch.randn(k_blocks, 3, 2, 5, 3, dtype=D, generator=g)
+    got = torch.autograd.grad(kernels.attention_blocks(*ins, 0.5, causal, k_blocks), wrt, grad, allow_unused=True)
+    want = torch.autograd.grad(kernels._attention(*ins, 0.5, causal, k_blocks), wrt, grad, allow_unused=True)
+    for a, b in zip(got, want):  # (the primal value is unused where value blocks come without q, k tangents)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.slow  # the profiler's memory timeline: 10 s
 def test_attention_backward_by_chunks_lowers_the_live_peak(monkeypatch):
     """The recomputed backward keeps P, dS, dP and their gradients for one chunk of the batch at a time: a
