@@ -858,6 +858,8 @@ def _attention_grads(q, k, v, blocks, dq, dk, mask, sc, causal, kk, g, wanted):
         dL/d(dq_j) = sc T_j k,   dL/d(dk_j) = sc T_j^T q,   dL/dmask = dL/dS (an additive mask)
 
     each summed to its input's shape where it broadcasts."""
+    from .tensor import each_block
+
     qc, kc = q.contiguous(), k.contiguous()
     p = attention_probs(qc, kc, mask, sc, causal)
     ds = None  # (K-1, ..., L, S)
@@ -867,8 +869,6 @@ def _attention_grads(q, k, v, blocks, dq, dk, mask, sc, causal, kk, g, wanted):
         ds = qc @ dk.mT if ds is None else ds.add_(qc @ dk.mT)
     if ds is not None:
         ds = ds.mul_(sc).expand(ds.shape[0], *p.shape).to(p.dtype)
-    from .tensor import each_block
-
     g = g.contiguous()  # once (the output's gradient arrives transposed), not a copy in each product
     rest = g[1:]
     grads = {}

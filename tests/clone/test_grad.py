@@ -542,6 +542,22 @@ def test_attention_written_out_backward_equals_autograd_of_the_recomputed_attent
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("shapes", _BROADCASTS.values(), ids=_BROADCASTS.keys())
+def test_attention_written_out_backward_where_the_value_and_mask_set_the_batch(shapes):
+    """The written-out backward where a batched value or mask (not the query and key) gives the output its batch:
+    every input's gradient summed back to its own shape, equal to autograd of the recomputed attention."""
+    from jvpreg.clone import kernels
+
+    g = torch.Generator().manual_seed(1)
+    ins = [torch.randn(*s, dtype=D, generator=g).requires_grad_() for s in shapes]
+    out = kernels._attention(*ins, 0.5, False, 2)
+    grad = torch.randn(out.shape, dtype=D, generator=g)
+    got = torch.autograd.grad(kernels.attention_blocks(*ins, 0.5, False, 2), ins, grad)
+    for a, b in zip(got, torch.autograd.grad(out, ins, grad)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.slow  # the profiler's memory timeline: 10 s
 def test_attention_backward_by_chunks_lowers_the_live_peak(monkeypatch):
     """The recomputed backward keeps P, dS, dP and their gradients for one chunk of the batch at a time: a
