@@ -567,7 +567,7 @@ def test_attention_backward_by_chunks_lowers_the_live_peak(monkeypatch):
 
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(16, 2, batch_first=True)
-    x, u = torch.randn(4, 64, 16), torch.randn(4, 64, 16)
+    x, u = torch.randn(4, 256, 16), torch.randn(4, 256, 16)  # P (256 x 256 per head) well above the activations
 
     def live_peak(chunk_numel):
         monkeypatch.setattr(kernels, "ATTENTION_BACKWARD_CHUNK_NUMEL", chunk_numel)
