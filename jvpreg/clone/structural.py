@@ -259,9 +259,17 @@ def elementwise_inplace(func, args, kwargs):
 register_handler(
     torch.add, T.add, T.__add__, T.__radd__, torch.sub, T.sub, T.__sub__, T.__rsub__, torch.rsub,
     maybe(torch, "subtract"), maybe(T, "subtract"), torch.neg, T.neg, T.__neg__, maybe(torch, "negative"),
-    maybe(T, "negative"), maybe(torch, "positive"), maybe(T, "positive"), maybe(T, "__pos__"),
-    torch.where, T.where,
+    maybe(T, "negative"), maybe(torch, "positive"), maybe(T, "positive"), maybe(T, "__pos__"), T.where,
 )(elementwise)
+
+
+@register_handler(torch.where)
+def _where(func, args, kwargs):
+    """``where(c, x, y)``: affine in ``x`` and ``y`` (elementwise); ``where(c)``, the condition alone, is
+    ``nonzero(c, as_tuple=True)``: indices, piecewise constant (evaluated on the primal block)."""
+    if len(args) + len(kwargs) == 1:
+        return state_eval(func, args, kwargs)
+    return elementwise(func, args, kwargs)
 
 
 COMPLEX_EXACT.update(f for f in (torch.add, T.add, T.__add__, T.__radd__, torch.sub, T.sub, T.__sub__, T.__rsub__,

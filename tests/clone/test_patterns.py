@@ -196,7 +196,25 @@ USER_CODE = {
         *[x.view(1, 4, 6)] * 3, attn_mask=torch.tensor([[False] * 4] + [[True] * 4] * 3)),
     "F.one_hot mul": lambda x: x * F.one_hot(torch.tensor([0, 5, 2, 1]), 6).to(D),
     "addmm-beta-alpha": lambda x: torch.addmm(x[:4, :4], x[:4], W6[:, :4], beta=0.3, alpha=1.7),
+    "where condition only": lambda x: x[torch.where(x[:, 0] > 0)[0]] ** 2,
+    "where condition 2-d": lambda x: (lambda rows, cols: x[rows, cols].exp())(*torch.where(x > 0)),
+    "mixture of experts": lambda x: _mixture_of_experts(x),
 }
+
+
+def _mixture_of_experts(x: torch.Tensor) -> torch.Tensor:
+    """Top-2 routing over 3 experts as Hugging Face's Mixtral writes it: ``one_hot`` of the chosen experts,
+    ``torch.where(mask)`` for each expert's tokens, the renormalised router weights, ``index_add_``."""
+    probs = F.softmax(x @ W6[:, :3], dim=-1)
+    top, chosen = torch.topk(probs, 2, dim=-1)
+    top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    mask = F.one_hot(chosen, num_classes=3).permute(2, 1, 0)
+    for e in range(3):
+        slot, tokens = torch.where(mask[e])
+        h = torch.tanh(x[tokens] @ W6[e:e + 3].T @ W6[:3])
+        out.index_add_(0, tokens, h * top[tokens, slot, None])
+    return out
 
 
 @pytest.mark.parametrize("engine", ["eager", "captured"])
