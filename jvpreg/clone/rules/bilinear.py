@@ -13,7 +13,7 @@ import torch
 from ..dispatch import _flat_clones, fallback, per_block, state_eval
 from ..registry import COMPLEX_AFFINE, detached_target, maybe, register_handler, register_op, write_back
 from ..structural import align, elementwise, elementwise_inplace
-from ..tensor import block_delta, is_clone, wrap, stack_blocks
+from ..tensor import block_delta, is_clone, stack_blocks, tile, wrap
 
 T = torch.Tensor
 
@@ -171,3 +171,32 @@ def add_product(func, args, kwargs):
     prod = {"baddbmm": torch.bmm, "addmm": torch.mm, "addmv": torch.mv, "addr": torch.outer}.get(name)
     prod = prod(t1, t2) if prod is not None else torch.bmm(t1, t2).sum(0)  # addbmm
     return _scaled(input, beta) + _scaled(prod, alpha) if beta != 0 else _scaled(prod, alpha)
+
+
+@register_op(maybe(torch, "_grouped_mm"))
+def grouped_mm(func, input, mat2, offs=None, bias=None, out_dtype=None):
+    """``_grouped_mm(a, b, offs)`` (Mixture-of-Experts layers: each group of rows of ``a`` times its own matrix of
+    ``b``), bilinear: ``out_j = gmm(a_j, b_0) + gmm(a_0, b_j - b_0)``, one call per block (the groups are rows of one
+    block, so blocks cannot share a call). ``offs`` is state (the primal block's); a bias that varies with the batch
+    takes the exact fallback (torch's CPU kernel has no bias to check a rule against)."""
+    if is_clone(bias) and not bias._jvp_state:
+        return fallback(func, (input, mat2), {"offs": offs, "bias": bias, "out_dtype": out_dtype})
+    offs0 = offs[0] if is_clone(offs) else offs
+    bias0 = bias[0] if is_clone(bias) else bias
+    da = is_clone(input) and not input._jvp_state
+    db = is_clone(mat2) and not mat2._jvp_state
+    a0 = input[0] if is_clone(input) else input
+    b0 = mat2[0] if is_clone(mat2) else mat2
+    k = next(t.shape[0] for t in (input, mat2, offs, bias) if is_clone(t))
+
+    def gmm(a, b, with_bias=True):
+        return func(a, b, offs=offs0, bias=bias0 if with_bias else None, out_dtype=out_dtype)
+
+    out0 = gmm(a0, b0)
+    if not (da or db):
+        return wrap(tile(out0, k), state=True)
+    blocks = [out0]
+    for j in range(1, k):
+        out = gmm(input[j], b0) if da else out0
+        blocks.append(out + gmm(a0, block_delta(mat2[j], b0), with_bias=False) if db else out)
+    return wrap(torch.stack(blocks))
