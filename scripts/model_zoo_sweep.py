@@ -47,7 +47,8 @@ TIMM = ("test_vit test_vit4 test_convnext test_efficientnet test_efficientnet_ev
         "swin_tiny_patch4_window7_224 maxvit_nano_rw_256 davit_tiny focalnet_tiny_srf gcvit_xxtiny hiera_tiny_224 "
         "eva02_tiny_patch14_224 mixer_s32_224 gmixer_12_224 resmlp_12_224 sequencer2d_s").split()
 HF = ("bert roberta distilbert electra mpnet gpt2 gpt_neox opt phi falcon llama mistral qwen2 qwen3 gemma gemma2 "
-      "t5 bart hf_vit hf_swin hf_convnext hf_dinov2").split()
+      "t5 bart mixtral qwen2_moe hf_vit hf_swin hf_convnext hf_dinov2").split()
+MOE = ("mixtral", "qwen2_moe")
 EXACT = 1e-10
 
 
@@ -146,6 +147,9 @@ def _hf_config(name: str):
         "llama": (T.LlamaConfig, gqa), "mistral": (T.MistralConfig, gqa), "qwen2": (T.Qwen2Config, gqa),
         "qwen3": (T.Qwen3Config, dict(gqa, head_dim=8)), "gemma": (T.GemmaConfig, dict(gqa, head_dim=8)),
         "gemma2": (T.Gemma2Config, dict(gqa, head_dim=8)),
+        "mixtral": (T.MixtralConfig, dict(gqa, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2_moe": (T.Qwen2MoeConfig, dict(gqa, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                             shared_expert_intermediate_size=16)),
         "t5": (T.T5Config, dict(d_model=_H, d_kv=8, d_ff=_FF, num_layers=_LAYERS, num_heads=_HEADS)),
         "bart": (T.BartConfig, dict(d_model=_H, encoder_layers=_LAYERS, decoder_layers=_LAYERS, encoder_ffn_dim=_FF,
                                     decoder_ffn_dim=_FF, encoder_attention_heads=_HEADS,
@@ -191,10 +195,13 @@ def _hf(name: str):
     import transformers as T
 
     cfg, kind = _hf_config(name)
+    # Mixture-of-Experts: the experts one by one (torch's CPU grouped_mm, their default, takes no float64; the
+    # rule for it is checked in float32 by tests/clone/test_grouped_mm.py)
+    experts = {"experts_implementation": "eager"} if name in MOE else {}
     try:
-        model = T.AutoModel.from_config(cfg, attn_implementation="sdpa")
+        model = T.AutoModel.from_config(cfg, attn_implementation="sdpa", **experts)
     except (ValueError, ImportError):  # no SDPA path in this architecture: its eager attention is the model
-        model = T.AutoModel.from_config(cfg, attn_implementation="eager")
+        model = T.AutoModel.from_config(cfg, attn_implementation="eager", **experts)
     model = model.double().eval()
     if kind == "text":
         x = torch.randn(2, 10, _H, dtype=torch.float64)
@@ -207,7 +214,7 @@ def _hf(name: str):
         return _LastHidden(m.get_encoder() if name in ("t5", "bart") else m, mask)
 
     def math_attention(m):
-        ref = T.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation="eager").double().eval()  # not
+        ref = T.AutoModel.from_config(copy.deepcopy(cfg), attn_implementation="eager", **experts).double().eval()  # not
         # the model's own config: from_config writes the attention implementation into it
         ref.load_state_dict(m.state_dict())
         return ref
