@@ -31,7 +31,8 @@ def test_exact_hardsigmoid_has_slope_one_sixth_in_float64(zoo):
     torch.testing.assert_close(t, u / 6, rtol=1e-15, atol=0)
 
 
-@pytest.mark.parametrize("source, name", [("timm", "test_resnet"), ("hf", "llama")])
+@pytest.mark.parametrize("source, name", [("timm", "test_resnet"), ("hf", "llama"),
+                                          pytest.param("hf", "mixtral", marks=pytest.mark.slow)])  # MoE routing
 def test_check_one_finds_both_engines_exact(zoo, source, name):
     pytest.importorskip("timm" if source == "timm" else "transformers")
     row = zoo.check_one(source, name)
