@@ -39,7 +39,13 @@ class UnsupportedOpError(NotImplementedError):
 
 class BatchWriteError(UnsupportedOpError):
     """An in-place write of batch data into a tensor created outside the batch (a plain tensor cannot hold
-    the blocks)."""
+    the blocks). Every message ends with the commonest case in real models: an inference cache."""
+
+    CACHE_HINT = (" A cache written during the forward is such a tensor (a Hugging Face model's key/value or state "
+                  "cache, Mamba's cache_params): call the model with use_cache=False.")
+
+    def __init__(self, message: str):
+        super().__init__(message + self.CACHE_HINT)
 
 
 class JVPFallbackWarning(UserWarning):

@@ -340,6 +340,18 @@ def test_write_into_plain_buffer_raises(setting):
         jvpreg.jvp(lambda x: setting["func"](torch.tanh(x)), (X,), (U,))
 
 
+def test_write_into_a_cache_says_use_cache_false():
+    """Hugging Face's Mamba (use_cache=True) copies its convolution state into a cache made before the forward."""
+    cache = torch.zeros(X.shape, dtype=X.dtype)
+
+    def f(x):
+        cache.copy_(x)
+        return x.sin()
+
+    with pytest.raises(jvpreg.UnsupportedOpError, match=OUTSIDE + ".*use_cache=False"):
+        jvpreg.jvp(f, (X,), (U,))
+
+
 # ----------------------------------------------------------------------------- (d) float32 precision on networks
 
 # Train mode at 32x32: the last BatchNorms see (batch x 1 x 1) values per channel, which makes the JVP
