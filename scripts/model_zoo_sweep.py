@@ -7,8 +7,10 @@ and the captured engine, the ops that took the exact fallback, and why a model c
   Face text models get ``inputs_embeds`` (batch 2, 10 tokens, the second sample's last 3 padded out by the
   attention mask: the ``-inf``/``finfo.min`` masking path).
 * Reference: ``torch.func.jvp`` of the same model. Where forward AD is missing (the fused attention kernels), the
-  same weights with attention on its math path (timm: ``fused_attn = False``; Hugging Face:
-  ``attn_implementation="eager"``).
+  same model with ``scaled_dot_product_attention`` on its math backend; where that fails too, the same weights with
+  attention on its math path (timm: ``fused_attn = False``; Hugging Face: ``attn_implementation="eager"``, whose
+  masking can differ: ModernBERT's eager attention gives NaN on a padded query whose local window is all padding,
+  where SDPA's gives a finite row).
 * Verdict, in *float64 throughout*: many models compute parts of themselves in float32 whatever the input dtype
   (LLaMA's RMSNorm, ``softmax(dtype=float32)``, EvoNorm, EfficientViT's attention), so there both results are
   float32-accurate and differ by ~1e-8. The verdict compares them with those casts turned into no-ops (ours and
@@ -47,7 +49,7 @@ TIMM = ("test_vit test_vit4 test_convnext test_efficientnet test_efficientnet_ev
         "swin_tiny_patch4_window7_224 maxvit_nano_rw_256 davit_tiny focalnet_tiny_srf gcvit_xxtiny hiera_tiny_224 "
         "eva02_tiny_patch14_224 mixer_s32_224 gmixer_12_224 resmlp_12_224 sequencer2d_s").split()
 HF = ("bert roberta distilbert electra mpnet gpt2 gpt_neox opt phi falcon llama mistral qwen2 qwen3 gemma gemma2 "
-      "t5 bart mixtral qwen2_moe hf_vit hf_swin hf_convnext hf_dinov2").split()
+      "t5 bart mixtral qwen2_moe modernbert hf_vit hf_swin hf_convnext hf_dinov2").split()
 MOE = ("mixtral", "qwen2_moe")
 EXACT = 1e-10
 
@@ -147,6 +149,8 @@ def _hf_config(name: str):
         "llama": (T.LlamaConfig, gqa), "mistral": (T.MistralConfig, gqa), "qwen2": (T.Qwen2Config, gqa),
         "qwen3": (T.Qwen3Config, dict(gqa, head_dim=8)), "gemma": (T.GemmaConfig, dict(gqa, head_dim=8)),
         "gemma2": (T.Gemma2Config, dict(gqa, head_dim=8)),
+        "modernbert": (T.ModernBertConfig, dict(dims, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                                sep_token_id=2, global_attn_every_n_layers=2, local_attention=4)),
         "mixtral": (T.MixtralConfig, dict(gqa, num_local_experts=4, num_experts_per_tok=2)),
         "qwen2_moe": (T.Qwen2MoeConfig, dict(gqa, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                              shared_expert_intermediate_size=16)),
@@ -235,8 +239,15 @@ def check_one(source: str, name: str) -> dict:
     u = torch.randn_like(x)
 
     def reference():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         try:
             return torch.func.jvp(call(model), (x,), (u,))[1], "torch.func.jvp"
+        except (NotImplementedError, RuntimeError):
+            pass
+        try:  # the same model, its scaled_dot_product_attention on the math backend (it has forward AD)
+            with sdpa_kernel(SDPBackend.MATH):
+                return torch.func.jvp(call(model), (x,), (u,))[1], "torch.func.jvp, math SDPA backend"
         except (NotImplementedError, RuntimeError):
             return torch.func.jvp(call(math_attention(model)), (x,), (u,))[1], "torch.func.jvp, math attention"
 
