@@ -41,8 +41,8 @@ def test_check_one_finds_both_engines_exact(zoo, source, name):
     assert row["fallback_ops"] == []
     if source == "timm":  # HF's SDPA mask preparation reads the mask's values: eager clone mode there
         assert row["not_captured"] == ""
-    if name == "llama":  # its RMSNorm computes in float32: as written, both are float32-accurate only
-        assert 1e-9 < row["error_eager"] < 1e-6
+    if name == "llama":  # its RMSNorm's variance is computed in float32: as written, less accurate than in float64
+        assert row["error64_eager"] * 100 < row["error_eager"] < 1e-6
     # on the meta device: the timm model's JVP reads no value; HF's mask checks read one in a plain forward too
     assert row["host_reads"] == ("none" if source == "timm" else "the model's own forward")
     # its own activation checkpointing on, a regularized step has the gradients of the step without it
