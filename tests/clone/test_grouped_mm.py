@@ -31,9 +31,11 @@ def _grouped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _data(seed: int):
+    """``(x, b, u, db)``: rows, expert matrices and a direction for each, float64."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(ROWS, K, generator=g, dtype=torch.float64), torch.randn(G, K, N, generator=g, dtype=torch.float64),
-            torch.randn(ROWS, K, generator=g, dtype=torch.float64), torch.randn(G, K, N, generator=g, dtype=torch.float64))
+    rows = lambda: torch.randn(ROWS, K, generator=g, dtype=torch.float64)  # noqa: E731
+    mats = lambda: torch.randn(G, K, N, generator=g, dtype=torch.float64)  # noqa: E731
+    return rows(), mats(), rows(), mats()
 
 
 CASES = {
@@ -75,8 +77,8 @@ def test_grouped_mm_weight_tangent_by_jvp_params():
     m = Experts()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        y, t = jvpreg.jvp_params(m, (x.float(),), {"w": db.float()})
-    ry, rt = torch.func.jvp(lambda w: torch.relu(_looped(x, w)), (b,), (db,))
+        y, t = jvpreg.jvp_params(m, (x.float(),), {"w": db.float()}, (u.float(),))
+    ry, rt = torch.func.jvp(lambda x, w: torch.relu(_looped(x, w)), (x, b), (u, db))
     assert (t.double() - rt).norm() <= 1e-6 * rt.norm() and rt.norm() > 0
 
 
