@@ -26,10 +26,11 @@ Choice of tracer. ``make_fx(pre_dispatch=True, tracing_mode="real")``:
   unchanged. A read of a tensor's *value* by Python (``if mask.all()``, ``.item()``, ``.tolist()``) is
   answered and *guarded* (:mod:`jvpreg.clone.guards`): the ops that compute the tensor read run before each
   replay, which goes ahead only if they give the same values, and the shape of an op whose output size
-  depends on values (``nonzero``, ``x[mask]``) is guarded alike. A call with other values replays or records
+  depends on values (``nonzero``, ``x[mask]``, ``torch.where(c)``) is guarded alike. A call with other values replays or records
   another program of the same signature (up to :data:`MAX_VARIANTS`; ``engine="auto"`` runs values seen once
   eagerly and records them when they recur, and stops guarding values that never do); a read that cannot be re-checked
-  (of a value the forward writes in place or draws at random, or one made inside a C++ op) makes that
+  (of a value drawn at random, or computed from an input the forward writes in place, or written after the read,
+  or one made inside a C++ op) makes that
   signature fall back to eager clone mode with one :class:`JVPCaptureWarning` that says why.
 Dynamo was the alternative: it guards Python state generally, but it must trace the engine's own
 Python, and clone tensors report their primal's shape, which its fake-tensor inputs cannot express.
@@ -587,10 +588,10 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     expected = [("value", v) for v in reads.values]
     names = list(reads.names)
     output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
-    for node, shape in dynamic_shapes(gm.graph):  # shapes the program holds: re-checked like the values read
+    for node, shape, op in dynamic_shapes(gm.graph):  # shapes the program holds: re-checked like the values read
         output.args = (list(output.args[0]) + [node],)
         expected.append(("shape", shape))
-        names.append(f"the shape of {node.target}")
+        names.append(f"the shape of {op}")
     _pin_grad_modes(gm.graph, torch.is_grad_enabled())
     finite = [_finite(leaves[i]) for i in clone_pos] + [_finite(slot_values[j]) for j in slot_pos]
     # parameters and buffers as captured (a finfo.min mask buffer); the call's data counts as 0
@@ -598,7 +599,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     optimize(gm, finite, magnitudes)
     guard = None
     if expected:
-        guard = Guard(replay_function(split(gm, len(expected), names)), expected, names)
+        guard = Guard(replay_function(split(gm, expected, names)), expected, names)
     attrs = _baked_attributes(gm, rec)
     compiling = _tensor._COMPILING[0]  # compiled: never replayed, torch.compile reads the sub-programs
     checkpointed_regions.outline(gm, (lambda sub: sub) if compiling else replay_function, torch.is_grad_enabled(),

@@ -814,10 +814,48 @@ _SPLIT, _SQUEEZE = torch.ops.aten.split_with_sizes.default, torch.ops.aten.squee
 
 
 def _is_view(node: Any) -> bool:
+    """``node`` may share memory with its first argument: an aten op whose schema marks a result as an alias
+    (``view``, ``split``, ``add_``), or ``getitem`` of a list or of such a result. ``getitem(topk(x), 1)`` is not:
+    a multi-result op's results are separate tensors unless its schema says otherwise."""
     t = getattr(node, "target", None)
     if t is operator.getitem:
+        returns = _schema_returns(node.args[0])
+        index = node.args[1] if len(node.args) > 1 else None
+        if returns is not None and len(returns) > 1 and isinstance(index, int) and -len(returns) <= index < len(returns):
+            return returns[index].alias_info is not None
         return True
     return isinstance(t, torch._ops.OpOverload) and any(r.alias_info is not None for r in t._schema.returns)
+
+
+def _schema_returns(node: Any):
+    """The schema's results of the aten op that made ``node``, else ``None``."""
+    t = getattr(node, "target", None)
+    return t._schema.returns if isinstance(t, torch._ops.OpOverload) else None
+
+
+def _alias_classes(graph: torch.fx.Graph) -> Dict[torch.fx.Node, Any]:
+    """Each node's alias class, as a key: a node, its views, their views, ... and back to the base share one
+    (:func:`_is_view`); two reads of one result of a multi-result op share one too."""
+    parent: Dict[Any, Any] = {}
+
+    def root(n):
+        while n in parent:
+            n = parent[n]
+        return n
+
+    for node in graph.nodes:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        if _is_view(node):
+            source = node.args[0]
+        elif node.target is operator.getitem:
+            source = (node.args[0], node.args[1] % len(_schema_returns(node.args[0])))  # one result, however read
+        else:
+            continue
+        a, b = root(node), root(source)
+        if a is not b:
+            parent[a] = b
+    return {n: root(n) for n in graph.nodes}
 
 
 def _last_writes(graph: torch.fx.Graph) -> Dict[torch.fx.Node, int]:
@@ -827,24 +865,11 @@ def _last_writes(graph: torch.fx.Graph) -> Dict[torch.fx.Node, int]:
     writes = [(w, order[node]) for node in graph.nodes if node.op == "call_function" for w in _written(node)]
     if not writes:
         return {}
-    # an alias class: a node, its views, their views, ... and back to the base
-    parent: Dict[torch.fx.Node, torch.fx.Node] = {}
-
-    def root(n):
-        while n in parent:
-            n = parent[n]
-        return n
-
-    for node in graph.nodes:
-        if node.op == "call_function" and _is_view(node) and node.args and isinstance(node.args[0], torch.fx.Node):
-            a, b = root(node), root(node.args[0])
-            if a is not b:
-                parent[a] = b
-    last: Dict[torch.fx.Node, int] = {}
+    classes = _alias_classes(graph)
+    last: Dict[Any, int] = {}
     for w, i in writes:
-        r = root(w)
-        last[r] = max(last.get(r, -1), i)
-    return {n: last[root(n)] for n in graph.nodes if root(n) in last}
+        last[classes[w]] = max(last.get(classes[w], -1), i)
+    return {n: last[c] for n, c in classes.items() if c in last}
 
 
 def _split_block_reads(graph: torch.fx.Graph) -> None:

@@ -124,17 +124,30 @@ def test_a_branch_on_a_value_gets_one_program_per_branch_and_reuses_them():
     assert prog.guard.names == ("Tensor.__bool__",)
 
 
+ROWS = {  # the rows where a condition holds, as users write it: ops the pre-dispatch tracer keeps whole included
+    "nonzero": (lambda c: c.nonzero()[:, 0], "aten.nonzero.default"),
+    "where": (lambda c: torch.where(c)[0], "aten.where.default"),  # composite: nonzero inside
+    "as_tuple": (lambda c: c.nonzero(as_tuple=True)[0], "aten.nonzero"),
+    "argwhere": (lambda c: torch.argwhere(c)[:, 0], "aten.argwhere.default"),
+}
+
+
 class Positives(nn.Module):
-    """Rows picked by ``nonzero``: the program holds their count in the sizes of later ops."""
+    """Rows picked by ``rows`` (``nonzero``, ``torch.where``): the program holds their count in later ops' sizes."""
+
+    def __init__(self, rows=ROWS["nonzero"][0]):
+        super().__init__()
+        self.rows = rows
 
     def forward(self, x):
-        idx = (x[:, 0] > 0).nonzero()[:, 0]
+        idx = self.rows(x[:, 0] > 0)
         return torch.zeros(x.shape[0], x.shape[1], dtype=x.dtype).index_add(0, idx, torch.relu(x[idx]) * 2)
 
 
-def test_an_output_shape_that_depends_on_values_is_guarded():
+@pytest.mark.parametrize("rows", sorted(ROWS))
+def test_an_output_shape_that_depends_on_values_is_guarded(rows):
     torch.manual_seed(0)
-    model = Positives()
+    model = Positives(ROWS[rows][0])
     u = randn(5, 4)
     x = -torch.rand(5, 4, dtype=D) - 0.1  # no positive row when captured: the recorded count is 0
     for count in (0, 3, 1, 3, 0):
@@ -144,7 +157,7 @@ def test_an_output_shape_that_depends_on_values_is_guarded():
         assert torch.equal(y, y_ref) and torch.equal(t, t_ref)
         torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1], rtol=1e-12, atol=1e-12)
     prog = _program(model)
-    assert "the shape of aten.nonzero.default" in prog.guard.names
+    assert any(name.startswith("the shape of " + ROWS[rows][1]) for name in prog.guard.names)
     assert len(prog.variants) == 2  # counts 0, 3 and 1
 
 
@@ -207,6 +220,102 @@ def test_a_value_the_forward_writes_in_place_is_not_guarded_but_run_eagerly():
     _, t_ref = jvpreg.jvp(reference, (x,), (u,), engine="eager")
     assert torch.equal(t, t_ref)
     assert torch.equal(model.bn.running_mean, reference.bn.running_mean)
+
+
+class TwoLayerRouter(nn.Module):
+    """Mixture-of-Experts routing as Hugging Face's eager experts write it: top-2 weights renormalised in place
+    (``top /= ...``), the output accumulated in place into ``zeros`` (``index_add_``), and the next layer's routing,
+    read by Python (``nonzero``, ``bool``), computed from that output."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 3, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def layer(self, x):
+        top, chosen = torch.topk(torch.softmax(self.router(x), -1), 2, dim=-1)
+        top /= top.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        mask = nn.functional.one_hot(chosen, 3).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            slot, tokens = torch.where(mask[e[0]])
+            out.index_add_(0, tokens, torch.tanh(self.experts[e[0]](x[tokens])) * top[tokens, slot, None])
+        return out
+
+    def forward(self, x):
+        return self.layer(x + self.layer(x))
+
+
+def test_values_computed_from_tensors_the_forward_writes_in_place_are_guarded():
+    """The guard replays the writes into tensors the forward made (``top /= ...``, ``out.index_add_``) before the
+    read: captured, and exact on inputs that route differently."""
+    torch.manual_seed(0)
+    model = TwoLayerRouter().to(D)
+    u = randn(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JVPCaptureWarning)
+        for seed in (0, 0, 1, 2, 1):
+            x = torch.randn(6, 4, dtype=D, generator=torch.Generator().manual_seed(seed)) * 3
+            _, t = jvpreg.jvp(model, (x,), (u,))
+            torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1], rtol=1e-12, atol=1e-12)
+    prog = _program(model)
+    assert prog.gm is not None and len(prog.variants) == 2  # three routings, each recorded once
+    guard_ops = {n.target for n in prog.guard.fn.__self__.graph.nodes}
+    assert torch.ops.aten.copy_.default in guard_ops  # the write into ``out``, replayed by the guard
+
+
+class BranchOnAccumulated(nn.Module):
+    """A branch on the sum of a tensor filled in place (``zeros``, then ``index_add_``)."""
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        out.index_add_(0, torch.tensor([0, 2, 1]), torch.tanh(x))
+        return torch.relu(x) * out if out.sum() > 0 else torch.tanh(x) * out
+
+
+def test_a_branch_on_a_tensor_filled_in_place_replays_the_program_recorded_for_each_side():
+    torch.manual_seed(0)
+    model = BranchOnAccumulated()
+    x, u = randn(3, 4), randn(3, 4)
+    variants = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JVPCaptureWarning)
+        for sign in (1.0, -1.0, 1.0, -1.0):
+            _, t = jvpreg.jvp(model, (sign * x,), (u,))
+            torch.testing.assert_close(t, torch.func.jvp(model, (sign * x,), (u,))[1], rtol=1e-12, atol=1e-12)
+            variants.append(len(_program(model).variants))
+    assert variants == [0, 1, 1, 1]
+
+
+class ReadThenWritten(nn.Module):
+    """A one-element tensor read by Python, then changed in place: the guard cannot tell which value the read saw."""
+
+    def forward(self, x):
+        s = torch.tanh(x).sum().clone()
+        flag = bool(s > 0) if self.compare else float(s)
+        s.mul_(2.0)
+        return torch.tanh(x) * s if flag else x * s
+
+    compare = False
+
+
+class DrawnThenRead(nn.Module):
+    """A value read from a random draw (``bernoulli_``): no guard can re-check it."""
+
+    def forward(self, x):
+        keep = torch.empty_like(x).bernoulli_(0.5)
+        return torch.tanh(x) * keep * float(keep.sum())
+
+
+@pytest.mark.parametrize("model, message", [(ReadThenWritten(), "after it is made"), (DrawnThenRead(), "random")])
+def test_a_read_no_guard_can_re_check_runs_eagerly_with_a_warning_that_says_why(model, message):
+    x, u = randn(3, 4), randn(3, 4)
+    with pytest.warns(JVPCaptureWarning, match=message):
+        torch.manual_seed(0)
+        _, t = jvpreg.jvp(model, (x,), (u,))
+    torch.manual_seed(0)
+    _, t_ref = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    assert torch.equal(t, t_ref)
 
 
 def test_running_statistics_are_updated_once_per_call_whichever_program_runs():
