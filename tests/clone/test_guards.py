@@ -161,6 +161,43 @@ def test_an_output_shape_that_depends_on_values_is_guarded(rows):
     assert len(prog.variants) == 2  # counts 0, 3 and 1
 
 
+VALUE_SHAPED = {  # user code whose tensors' shapes follow values: every pattern here crashed or gave a wrong shape
+    # on a replay before composite ops were checked for value-dependent shapes inside (see test_guards history)
+    "nonzero as_tuple": lambda x: torch.tanh(x[torch.nonzero(x > 0, as_tuple=True)]),
+    "unique_consecutive": lambda x: torch.tanh(x)[:torch.unique_consecutive((x[:, 0] > 0).long()).numel()],
+    "where condition": lambda x: torch.tanh(x[torch.where(x[:, 0] > 0)[0]]),
+    "masked_select": lambda x: torch.tanh(x[x > 0]).sum(0, keepdim=True) * x[:1],
+    "repeat_interleave counts": lambda x: torch.repeat_interleave(torch.tanh(x), (x[:, 0] > 0).long() + 1, dim=0),
+    "bincount": lambda x: torch.tanh(x[:torch.bincount((x[:, 0] > 0).long().cumsum(0)).shape[0]]),
+    "unique": lambda x: torch.tanh(x)[torch.unique((x[:, 0] > 0).long() + (x[:, 1] > 0).long())],
+}
+
+
+class Function(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, x):
+        return self.f(x)
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SHAPED))
+def test_value_dependent_shapes_replay_exactly_on_other_values(name):
+    model = Function(VALUE_SHAPED[name])
+    for seed, positives in enumerate((2, 2, 4, 1, 5)):  # rows whose first two entries are positive
+        g = torch.Generator().manual_seed(seed % 4)
+        x = torch.randn(5, 4, dtype=D, generator=g)
+        x[:, :2] = x[:, :2].abs() * torch.tensor([1.0] * positives + [-1.0] * (5 - positives), dtype=D)[:, None]
+        u = torch.randn(5, 4, dtype=D, generator=g)
+        y, t = jvpreg.jvp(model, (x,), (u,), engine="captured")
+        y_ref, t_ref = torch.func.jvp(model.f, (x,), (u,))
+        assert y.shape == y_ref.shape and t.shape == t_ref.shape
+        torch.testing.assert_close(t, t_ref, rtol=1e-12, atol=1e-12)
+    prog = _program(model)
+    assert prog.gm is not None and len(prog.variants) >= 1  # other counts: other programs, each exact
+
+
 class MaskedMean(nn.Module):
     """A padding mask in a module attribute, read by Python (as Hugging Face's SDPA mask preparation does)."""
 
