@@ -492,3 +492,31 @@ def test_batch_norm_output_read_twice_is_not_fused():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert (got[1] < 0).any(), "the second reader sees BatchNorm's output, negative entries included"
+
+
+def test_alias_classes_follow_views_and_keep_a_multi_result_ops_results_apart():
+    """``topk``'s values and indices are two tensors (a write into one leaves the other); ``split``'s parts, a view
+    and an in-place result share their base's memory."""
+    def f(x):
+        values, indices = torch.topk(x, 2, dim=1)
+        values /= values.sum(1, keepdim=True)
+        first, rest = x.split([1, 3], 0)
+        y = x.view(-1)
+        y.add_(1.0)
+        return values, indices.float(), first, rest
+
+    gm = make_fx(f, tracing_mode="real", pre_dispatch=True)(torch.randn(4, 5, dtype=D))
+    classes = passes._alias_classes(gm.graph)
+    by_target = collections.defaultdict(list)
+    for n in gm.graph.nodes:
+        by_target[n.target].append(n)
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    topk = by_target[aten.topk.default][0]
+    values, indices = sorted((u for u in topk.users), key=lambda u: u.args[1])
+    assert classes[values] != classes[indices] and classes[values] != classes[x]
+    assert classes[by_target[aten.div_.Tensor][0]] == classes[values]
+    parts = by_target[aten.split_with_sizes.default][0]
+    assert all(classes[u] == classes[x] for u in parts.users)
+    assert classes[by_target[aten.view.default][0]] == classes[x] == classes[by_target[aten.add_.Tensor][0]]
+    last = passes._last_writes(gm.graph)
+    assert indices not in last and last[values] < last[x]  # the add_ comes after the div_
