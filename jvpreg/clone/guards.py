@@ -253,12 +253,16 @@ class _Dynamic(Exception):
     pass
 
 
+_VALUE_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+
 class _WatchDynamic(TorchDispatchMode):
-    """Raises :class:`_Dynamic` at the first op whose output shape depends on values."""
+    """Raises :class:`_Dynamic` at the first op whose output shape depends on values, or that reads a value into
+    C++ (``tensor_split`` by a tensor of indices)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _dynamic_call(func, args, kwargs, lambda a: getattr(a, "dtype", None)):
+        if func in _VALUE_READS or _dynamic_call(func, args, kwargs, lambda a: getattr(a, "dtype", None)):
             raise _Dynamic
         return func(*args, **kwargs)
 
@@ -294,6 +298,13 @@ def _decomposes_to_dynamic(node: torch.fx.Node, fake: Any) -> bool:
     return verdict
 
 
+#: Composite ops whose C++ reads an input's data itself, so that fake tensors cannot run them, and whose output
+#: shapes follow their inputs' shapes: the packed recurrent ops (``batch_sizes`` steer the loop; the output has the
+#: packed input's rows).
+_READ_DATA_STATIC_SHAPE = {op for op in (getattr(getattr(torch.ops.aten, name), "data", None)
+                                         for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")) if op is not None}
+
+
 def _runs_a_dynamic_op(node: torch.fx.Node, fake: Any) -> bool:
     def as_fake(value):
         if isinstance(value, torch.Tensor):
@@ -306,8 +317,10 @@ def _runs_a_dynamic_op(node: torch.fx.Node, fake: Any) -> bool:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: as_fake(a.meta.get("val")))
         with fake, _WatchDynamic():
             node.target(*args, **kwargs)
-    except Exception:  # _Dynamic, or an op fake tensors cannot run
+    except _Dynamic:
         return True
+    except Exception:  # an op fake tensors cannot run
+        return node.target not in _READ_DATA_STATIC_SHAPE
     return False
 
 

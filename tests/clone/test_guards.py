@@ -478,3 +478,31 @@ def test_a_tensor_passed_as_a_number_is_read_and_guarded():
         torch.testing.assert_close(t, expected, rtol=1e-12, atol=1e-12)
     prog = _program(model)
     assert prog.gm is not None and len(prog.variants) == 2
+
+
+def test_a_packed_lstm_training_step_is_captured_with_no_guard_on_its_shape():
+    """``aten.lstm.data`` reads ``batch_sizes`` in C++ (fake tensors cannot run it) and carries the random tag
+    (dropout): counted as a value-shaped op, its guard could not be replayed and the step ran eagerly. Its output
+    has the packed input's rows: no shape guard, the step is captured, its gradients those of the eager engine."""
+    from jvpreg.bench.capture import _PackedRecurrent
+    from jvpreg.losses import ParameterSensitivity, regularized_forward
+
+    grads = []
+    for engine in ("auto", "eager"):
+        torch.manual_seed(0)
+        model = _PackedRecurrent(nn.LSTM).to(D).train()
+        penalty = ParameterSensitivity(params=("*weight",))
+        x, y = randn(4, 8, 32), torch.tensor([0, 1, 2, 3])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", JVPCaptureWarning)
+            for _ in range(3):
+                model.zero_grad()
+                torch.manual_seed(1)
+                out, value = regularized_forward(model, x, penalty, target=y, engine=engine)
+                (nn.functional.cross_entropy(out, y) + 0.1 * value).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if engine == "auto":
+            prog = _program(model)
+            assert prog.gm is not None and not any("lstm" in name for name in prog.guard.names)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
