@@ -539,7 +539,11 @@ def main() -> Any:
     """Console entry point ``jvpreg-train`` (Hydra parses ``sys.argv``)."""
     _setdefault_wandb_mode()
     check_plugins(sys.argv[1:])
-    return _hydra_main()
+    result = _hydra_main()
+    from jvpreg.callbacks.strategies import end_worker_process
+
+    end_worker_process()  # a DDP/FSDP worker rank that finished: no interpreter teardown (its gloo abort, under load)
+    return result
 
 
 if __name__ == "__main__":

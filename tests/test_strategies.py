@@ -286,6 +286,36 @@ print("registered:", _AT_EXIT[0], flush=True)
 """
 
 
+_END_WORKER_SCRIPT = r"""
+import atexit, os, sys
+import torch.distributed as dist
+from jvpreg.callbacks.strategies import end_worker_process
+rank, path = int(sys.argv[1]), sys.argv[2]
+end_worker_process()  # no group: nothing
+dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2)
+atexit.register(lambda: print("teardown ran", flush=True))
+print("rank", rank, "done", flush=True)
+dist.barrier()
+end_worker_process()
+print("rank", rank, "after end_worker_process", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_finished_worker_rank_ends_without_interpreter_teardown(tmp_path):
+    """The app's worker ranks end with ``os._exit(0)`` once their work is done (their output flushed), rank 0
+    goes on: the gloo abort in a worker's teardown cannot fail a finished run."""
+    import subprocess
+
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", _END_WORKER_SCRIPT, str(r), store], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert outs[0][0].splitlines() == ["rank 0 done", "rank 0 after end_worker_process", "teardown ran"]
+    assert outs[1][0].splitlines() == ["rank 1 done"]
+
+
 def test_the_process_group_is_destroyed_at_exit_while_python_is_alive():
     """Lightning leaves the group to the interpreter's teardown, where a gloo worker can abort after its work is
     done; the callbacks' setup registers one exit handler that destroys it first."""

@@ -29,7 +29,7 @@ from torch import nn
 from ..losses.base import JVPPenalty, Term
 from ..losses.sharded import is_sharded
 
-__all__ = ["check_monitor_strategy", "check_strategy", "destroy_process_group_at_exit", "fsdp2_strategy", "fully_shard_blocks", "has_weight_directions", "is_fully_sharded",
+__all__ = ["check_monitor_strategy", "check_strategy", "destroy_process_group_at_exit", "end_worker_process", "fsdp2_strategy", "fully_shard_blocks", "has_weight_directions", "is_fully_sharded",
            "unsharded_copy"]
 
 _REFUSED = {
@@ -63,6 +63,24 @@ def _destroy_process_group() -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - at exit, a failed teardown must not turn a finished run into a failure
         pass
+
+
+def end_worker_process() -> None:
+    """On a worker (global rank > 0 of an initialised group) that finished its work: destroy the group, flush the
+    output and end the process now, without interpreter teardown (``os._exit(0)``); nothing otherwise.
+
+    The abort :func:`destroy_process_group_at_exit` guards against can still strike in the teardown under load (a
+    CI dry run: the app's rank 1 aborted after ``trainer.test()``, and Lightning's launcher killed rank 0, which
+    was still evaluating robustness). A worker writes no results (rank 0 writes the metrics and checkpoints)."""
+    import os
+    import sys
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        return
+    _destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def has_weight_directions(penalty: JVPPenalty) -> bool:
