@@ -29,6 +29,10 @@ backward a ``crash`` (an :class:`UnsupportedOpError` there: an ``error``).
 wrapped in a module, recorded into a program and replayed, so the program's passes and its replay are swept as the
 rules are; ``Result.capture`` says whether the case was captured or ran eagerly, and why.
 
+:func:`value_shaped` sweeps the database for ops whose output *shape* follows their inputs' values (every OpInfo,
+in int64 or bool where it has no float64): each sample recorded as the capture records it, then on other values of
+the same shapes; such an op must be one the capture guards (:func:`jvpreg.clone.guards.dynamic_shapes`).
+
 Used by ``tests/clone/test_opinfo_sweep.py`` and ``scripts/coverage_table.py`` (the op database needs ``expecttest``);
 :func:`check` runs the same comparison on any function, for a rule of your own.
 """
@@ -509,3 +513,112 @@ def float32_errors(op, n_samples: int = N_SAMPLES) -> list:
 
 def _as(v: Any, dtype: torch.dtype) -> Any:
     return v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v
+
+
+# ----------------------------------------------------------------------------- ops whose output shape follows values
+
+VALUE_SHAPE_PERTURBATIONS = 4
+
+
+def value_shape_ops() -> list:
+    """Every OpInfo that runs on the CPU in float64, int64 or bool (a program records index and mask ops too)."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return [o for o in op_db if _value_shape_dtype(o) is not None]
+
+
+def _value_shape_dtype(op) -> torch.dtype | None:
+    dtypes = op.supported_dtypes("cpu")
+    return next((d for d in (D, torch.int64, torch.bool) if d in dtypes), None)
+
+
+def _shape_of(value: Any) -> Any:
+    """A node's value as shapes: tensors by their shape, everything else (sizes, dims, flags) by repr."""
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape))
+    if isinstance(value, (list, tuple)):
+        return tuple(_shape_of(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _shape_of(v)) for k, v in sorted(value.items()))
+    return repr(value)
+
+
+def _recorded_ops(fn: Callable, tensors: list) -> tuple:
+    """``fn(*tensors)`` recorded as the capture records a forward (``make_fx``, pre-dispatch, real tensors): the
+    graph and, per aten op, ``(node, its arguments as shapes, its output as shapes)``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn, tracing_mode="real", pre_dispatch=True)(*tensors)
+    ops = [(n, _shape_of((n.target, n.args, n.kwargs)), _shape_of(n.meta.get("val"))) for n in gm.graph.nodes
+           if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    return gm, ops
+
+
+def _other_values(t: Any, kind: int, gen: torch.Generator) -> Any:
+    """A tensor shaped like ``t`` with other values: half its floats zeroed (``kind`` 0) or fresh normal ones (1);
+    its integers permuted (0: indices stay valid) or drawn within their range (1); random bools."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided:
+        return t
+    if t.dtype == torch.bool:
+        return torch.rand(t.shape, generator=gen) < 0.5
+    if t.is_floating_point() or t.is_complex():
+        if kind == 0:
+            return t * (torch.rand(t.shape, generator=gen) < 0.5).to(t.dtype)
+        return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+    flat = t.reshape(-1)
+    if kind == 0:
+        return flat[torch.randperm(flat.numel(), generator=gen)].reshape(t.shape)
+    return torch.randint(int(t.min()), int(t.max()) + 1, t.shape, generator=gen, dtype=t.dtype)
+
+
+def value_shaped(op, n_samples: int = N_SAMPLES) -> list:
+    """``(aten op, sample, guarded)`` for each op in the recorded program of one of ``op``'s samples whose output
+    shape changes with its arguments' *values*; ``guarded``: :func:`jvpreg.clone.guards.dynamic_shapes` (what the
+    capture guards) holds it. One that it leaves out would make a program hold the recorded shape without a guard,
+    silently wrong or crashing on other values.
+
+    Each sample is recorded as the capture records (:func:`_recorded_ops`) and recorded again on other values of
+    the same shapes (:func:`_other_values`); the two programs' ops are compared in order up to the first op whose
+    target, arguments' shapes or non-tensor arguments differ (the control flow parted). An op with the same
+    arguments and another output shape is value-shaped. Values the op rejects (an index out of range), and samples
+    that cannot be recorded, are skipped."""
+    from .guards import dynamic_shapes
+
+    dtype = _value_shape_dtype(op)
+    torch.manual_seed(0)
+    try:
+        samples = list(itertools.islice(op.sample_inputs("cpu", dtype), n_samples))
+    except Exception:  # pragma: no cover - depends on the torch version
+        return []
+    found = set()
+    for si, s in enumerate(samples):
+        flat, spec = tree_flatten((s.input, tuple(s.args), dict(s.kwargs)))
+        pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.layout == torch.strided]
+
+        def fn(*tensors, flat=flat, spec=spec, pos=pos):
+            leaves = list(flat)
+            for i, t in zip(pos, tensors):
+                leaves[i] = t
+            inp, args, kwargs = tree_unflatten(leaves, spec)
+            return op.op(inp, *args, **kwargs)
+
+        try:
+            gm, base = _recorded_ops(fn, [flat[i] for i in pos])
+        except Exception:
+            continue
+        guarded = {node for node, _, _ in dynamic_shapes(gm.graph)}
+        for k in range(VALUE_SHAPE_PERTURBATIONS):
+            gen = torch.Generator().manual_seed(k)
+            try:
+                _, other = _recorded_ops(fn, [_other_values(flat[i], k % 2, gen) for i in pos])
+            except Exception:
+                continue
+            for (node, args, out), (_, args2, out2) in zip(base, other):
+                if args != args2:
+                    break
+                if out != out2:
+                    found.add((str(node.target), si, node in guarded or bool(guarded.intersection(node.users))))
+                    break
+    return sorted(found)

@@ -117,6 +117,34 @@ def test_opinfo_captured_exact_or_clear_error(op, request):
             f"{key}: no case was captured: {sorted({r.capture for r in results})}"
 
 
+# Value-shaped ops: a captured program holds the shapes its ops made, so an op whose output shape follows its
+# inputs' values (``nonzero``, ``x[mask]``, ``unique``) must be guarded (``jvpreg.clone.guards.dynamic_shapes``). Every
+# op of the database (int64 or bool where it has no float64: index and mask ops are recorded too), each sample recorded
+# on its values and on others of the same shapes (``sweep.value_shaped``). These found value-shaped ops on torch 2.15
+# (12 OpInfos, 13 aten ops) and run in the quick run; with --slow, every OpInfo.
+VALUE_SHAPED = {"masked_select", "tensor_split", "__getitem__", "unique", "unique_consecutive", "bincount", "nonzero",
+                "nn.functional.one_hot", "argwhere", "repeat_interleave", "linalg.lstsq", "linalg.lstsq.grad_oriented"}
+
+
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in VALUE_SHAPED else pytest.mark.slow)
+                                for o in sweep.value_shape_ops()])
+def test_opinfo_value_shaped_ops_are_guarded(op):
+    found = sweep.value_shaped(op)
+    unguarded = sorted({(name, sample) for name, sample, guarded in found if not guarded})
+    assert not unguarded, f"{_key(op)}: output shapes follow values, no shape guard: {unguarded}"
+    if _key(op) in VALUE_SHAPED:  # the sweep must see them, or it could not fail
+        assert found, f"{_key(op)}: no value-shaped op found any more"
+
+
+def test_value_shape_sweep_detects_an_unguarded_op(monkeypatch):
+    """With the capture's shape guards taken away, ``nonzero`` is reported unguarded."""
+    from jvpreg.clone import guards
+
+    op = next(o for o in sweep.value_shape_ops() if o.name == "nonzero")
+    monkeypatch.setattr(guards, "dynamic_shapes", lambda graph: [])
+    assert any(name == "aten.nonzero.default" and not guarded for name, _, guarded in sweep.value_shaped(op))
+
+
 def test_sweep_detects_a_wrong_rule_and_a_crash():
     """The classifier itself: a deliberately wrong rule is a mismatch, a broken one a crash."""
     op = next(o for o in OPS if o.name == "sinh")
