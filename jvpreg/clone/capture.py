@@ -454,6 +454,18 @@ def _key(rec: _Record, call_id: Any, in_spec: Any, leaves: List[Any], slot_value
             _FALLBACK["mode"])
 
 
+def _varying_sizes(keys: List[Tuple[Any, ...]]) -> str:
+    """A clause for the warning when what changes between call signatures ``keys`` (:func:`_key`) includes the
+    sizes of the call's tensors, with the usual cause and its cure; else ``""`` (the same clause every time: the
+    warning is given once)."""
+    shapes = {tuple(sig[1] for sig in key[2] if isinstance(sig, tuple) and sig and sig[0] in ("clone", "tensor"))
+              for key in keys}
+    if len(shapes) < 2:
+        return ""
+    return (" (the sizes of the call's tensors vary: batches padded to their longest sequence? pad them to a few "
+            "lengths, e.g. pad_to_multiple_of=32 in Hugging Face's DataCollatorWithPadding)")
+
+
 # --------------------------------------------------------------------------------- capture and replay
 
 
@@ -898,8 +910,9 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     if prog is None:
         reason = _unsupported(module, rec, hooks_outside)
         if not reason and len(rec.programs) >= MAX_PROGRAMS:
-            prog = _Program(gm=None, reason=f"more than {MAX_PROGRAMS} call signatures (shapes, modes) were seen; "
-                                            "call jvpreg.clone.capture.reset(module) if they are transient")
+            prog = _Program(gm=None, reason=f"more than {MAX_PROGRAMS} call signatures (shapes, modes) were seen"
+                                            f"{_varying_sizes(list(rec.programs) + [key])}; call "
+                                            "jvpreg.clone.capture.reset(module) if they are transient")
         elif reason:
             prog = _Program(gm=None, reason=reason)
         else:

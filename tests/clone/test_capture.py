@@ -221,6 +221,31 @@ def test_cache_hit_and_recapture_on_changed_guards():
     assert len(capture.programs(model)) == 6
 
 
+def test_past_max_programs_a_signature_runs_eagerly_with_one_warning_that_names_varying_sizes():
+    """Sequence lengths that change from batch to batch (dynamic padding) are one signature each: past
+    ``MAX_PROGRAMS`` a new one runs in eager clone mode, exact, after one warning that says to pad to a few lengths."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).to(D)
+    for n in range(1, capture.MAX_PROGRAMS + 1):
+        jvpreg.jvp(model, (randn(n, 4),), (randn(n, 4),))
+    assert all(p.gm is not None for p in capture.programs(model).values())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (capture.MAX_PROGRAMS + 1, capture.MAX_PROGRAMS + 2):
+            x, u = randn(n, 4), randn(n, 4)
+            y, t = jvpreg.jvp(model, (x,), (u,))
+            ref_y, ref_t = torch.func.jvp(model, (x,), (u,))
+            torch.testing.assert_close((y, t), (ref_y, ref_t), rtol=1e-12, atol=1e-12)
+    messages = [str(w.message) for w in caught if issubclass(w.category, JVPCaptureWarning)]
+    assert len(messages) == 1 and "pad_to_multiple_of" in messages[0], messages
+    assert capture.programs(model)[next(reversed(capture.programs(model)))].gm is None
+
+
+def test_the_padding_hint_needs_sizes_that_vary():
+    key = lambda *shapes: (None, None, tuple(("tensor", s, D, None, False, True) for s in shapes))  # noqa: E731
+    assert capture._varying_sizes([key((2, 4)), key((2, 4))]) == ""
+    assert "pad_to_multiple_of" in capture._varying_sizes([key((2, 4)), key((2, 5))])
+
+
 class _ShiftedByAFactoryTensor(nn.Module):
     def __init__(self):
         super().__init__()
