@@ -95,7 +95,7 @@ def markdown(rows: list, meta: dict) -> str:
     lines = ["# Dynamic padding: a regularized text classifier, one program per padded length", "",
              f"Command: `{meta['command']}`  ",
              f"Machine: {meta['machine']['cpu']} ({meta['machine']['cpu_cores']} cores, 1 torch thread), torch "
-             f"{meta['machine']['torch']}; commit {meta['git']}", "",
+             f"{meta['machine']['torch']}; {meta['git']}", "",
              "A Hugging Face BERT (random weights, 2 layers, dim 64, 2 heads) with a classification head, trained in "
              "Lightning on 256 token sequences of random lengths 4-60 with `JacobianRegularizer(0.01)` on "
              "`inputs_embeds` (`none`: without it); each run in a fresh process. *Signatures*: the call signatures the "
