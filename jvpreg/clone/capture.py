@@ -393,6 +393,23 @@ def _unsupported(module: nn.Module, rec: _Record, hooks_outside: bool = False) -
     return ""
 
 
+def _slot_finite(value: torch.Tensor) -> bool:
+    """A parameter or buffer is finite, read once at capture on any device (a capture reads values anyway; the
+    per-call guard reads none on a device). A ``meta`` tensor has no values: counted as finite, as a trained model's
+    parameters are, so that a program recorded there (``scripts/op_counts.py``) keeps the ops a GPU's would."""
+    t = _phys(value) if type(value) is CloneTensor else value
+    if t.is_meta:
+        return True
+    if t.is_floating_point():
+        return math.isfinite(t.detach().sum())
+    return not t.is_complex() or math.isfinite(abs(complex(t.detach().sum())))
+
+
+def _slot_magnitude(t: torch.Tensor) -> float:
+    """:func:`jvpreg.clone.passes.largest_magnitude` of a parameter or buffer; 0 on ``meta`` (see :func:`_slot_finite`)."""
+    return 0.0 if t.is_meta else largest_magnitude(t)
+
+
 # --------------------------------------------------------------------------------- the guard key
 
 
@@ -605,9 +622,9 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         expected.append(("shape", shape))
         names.append(f"the shape of {op}")
     _pin_grad_modes(gm.graph, torch.is_grad_enabled())
-    finite = [_finite(leaves[i]) for i in clone_pos] + [_finite(slot_values[j]) for j in slot_pos]
+    finite = [_finite(leaves[i]) for i in clone_pos] + [_slot_finite(slot_values[j]) for j in slot_pos]
     # parameters and buffers as captured (a finfo.min mask buffer); the call's data counts as 0
-    magnitudes = [0.0] * len(clone_pos) + [largest_magnitude(_phys(slot_values[j])) for j in slot_pos]
+    magnitudes = [0.0] * len(clone_pos) + [_slot_magnitude(_phys(slot_values[j])) for j in slot_pos]
     optimize(gm, finite, magnitudes)
     guard = None
     if expected:

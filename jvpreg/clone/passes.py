@@ -8,9 +8,11 @@ that computes the same tensors with the same gradients:
   holds no infinity (:func:`_drop_finite_fixes`): ``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` (``z == a``
   alone with gradients disabled) is
   ``z - a`` when ``a`` is finite (no input that may hold one, no op that makes one by design on the way;
-  bounded ops such as ``tanh`` and ``softmax``, a variance's ``rsqrt(var + eps)`` and a block read back out of
-  its rule's ``stack`` count as finite; a cast to a narrower dtype does not: HF's ``finfo(float64).min`` mask turns
-  ``-inf`` in a float32 softmax);
+  bounded ops such as ``tanh`` and ``softmax``, layer and group norms, a variance's ``rsqrt(var + eps)`` and a
+  block read back out of its rule's ``stack`` count as finite; a cast to a narrower dtype does not: HF's
+  ``finfo(float64).min`` mask turns ``-inf`` in a float32 softmax). Block 0 is followed apart from the tangent
+  blocks through ops that keep dim 0 apart (:func:`_first_row`): on a device, where the data's finiteness is not
+  read, a transformer's smooth ops read layer-normed rows and keep no fix;
 * ``op(h, expand(a))`` -> ``op(h, a)`` for pointwise ops (:func:`_drop_broadcast_expands`);
 * reshape and permute chains folded (:func:`_fold_reshapes`, :func:`_fold_permutes`); casts to the dtype a
   tensor already has dropped (:func:`_drop_noop_casts`);
@@ -697,7 +699,20 @@ def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool],
     attention mask of a float64 model, cast to float32 for the softmax, is ``-inf`` there. So the largest constant
     magnitude that can flow into each node is carried along (numbers in the arguments, ``get_attr`` tensors,
     ``input_magnitudes[i]`` for placeholder ``i``: parameters and buffers as captured; the call's data counts as 0, its
-    overflow being loud), and a floating output whose dtype cannot hold it counts as possibly infinite."""
+    overflow being loud), and a floating output whose dtype cannot hold it counts as possibly infinite.
+
+    Where no op may write an infinity in place, a second pass follows block 0 on its own (:func:`_first_rows`): a
+    clone's primal block is computed from primal blocks only, so it can be finite where the tangent blocks of the
+    same tensor may not be (a tangent direction read on a device, whose finiteness is not known)."""
+    inf = _infinities(gm, finite_inputs, input_magnitudes, None)
+    if not inf or any(inf[n] and any(True for _ in _written(n)) for n in gm.graph.nodes if n.op == "call_function"):
+        return inf
+    return _infinities(gm, finite_inputs, input_magnitudes, {})
+
+
+def _infinities(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool], input_magnitudes: Sequence[float],
+                rows: Optional[Dict[torch.fx.Node, bool]]) -> Dict[torch.fx.Node, bool]:
+    """:func:`_may_be_infinite`'s pass; ``rows``: ``{}`` to follow the first row along dim 0 too (filled in)."""
     inf: Dict[torch.fx.Node, bool] = {}
     big: Dict[torch.fx.Node, float] = {}
     i = 0
@@ -713,25 +728,119 @@ def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool],
         elif node.op == "call_function":
             if "val" in node.meta and not _floating(node.meta["val"]):
                 inf[node], big[node] = False, 0.0
-                continue
-            inputs = node.all_input_nodes
-            part = _stacked_part(node)
-            if part is not None:  # block i of stack([b_0, b_1, ...]): b_i's
+            elif (part := _stacked_part(node)) is not None:  # block i of stack([b_0, b_1, ...]): b_i's
                 inf[node], big[node] = inf.get(part, True), big.get(part, 0.0)
-                continue
-            if _bounded(node):
+            elif _bounded(node):
                 inf[node], big[node] = False, 0.0
-                continue
-            numbers = [abs(v) for v in _numbers(list(node.args) + list(node.kwargs.values()))
-                       if isinstance(v, float) and math.isfinite(v)]  # float constants: ints are sizes and dims
-            big[node] = max([big.get(n, 0.0) for n in inputs] + numbers, default=0.0)
-            val = node.meta.get("val")
-            ranges = [m for m in map(_max_finite, val if isinstance(val, (list, tuple)) else [val]) if m is not None]
-            too_big = bool(ranges) and big[node] > min(ranges)
-            inf[node] = too_big or _makes_infinity(node) or any(inf.get(n, True) for n in inputs)
-            if inf[node] and any(not inf.get(w, True) for w in _written(node)):
-                return {}
+            else:
+                inputs = node.all_input_nodes
+                numbers = [abs(v) for v in _numbers(list(node.args) + list(node.kwargs.values()))
+                           if isinstance(v, float) and math.isfinite(v)]  # float constants: ints are sizes and dims
+                big[node] = max([big.get(n, 0.0) for n in inputs] + numbers, default=0.0)
+                val = node.meta.get("val")
+                ranges = [m for m in map(_max_finite, val if isinstance(val, (list, tuple)) else [val]) if m is not None]
+                too_big = bool(ranges) and big[node] > min(ranges)
+                inf[node] = too_big or not _normalised(node, inf) and (_makes_infinity(node)
+                                                                      or any(inf.get(n, True) for n in inputs))
+                if inf[node] and rows is not None and not too_big and not _makes_infinity(node):
+                    first = _block_read(node)
+                    if first is not None and first[1] == 0:  # block 0 of a tensor: its first row
+                        inf[node] = rows.get(first[0], True)
+                if inf[node] and any(not inf.get(w, True) for w in _written(node)):
+                    return {}
+            if rows is not None:
+                row = _first_row(node, inf, rows) if inf[node] and not _makes_infinity(node) else None
+                rows[node] = inf[node] and (row is None or row)
+        if rows is not None and node.op in ("placeholder", "get_attr"):
+            rows[node] = inf[node]
     return inf
+
+
+#: layer and group norms -> where their weight and bias are; the ``native_`` ones return (output, mean, rstd)
+_NATIVE_NORMS = {op: where for op, where in ((_aten("native_layer_norm"), slice(2, 4)),
+                                              (_aten("native_group_norm"), slice(1, 3))) if op is not None}
+_NORMS = {op: slice(2, 4) for op in (_aten("layer_norm"), _aten("group_norm")) if op is not None}
+
+
+def _normalised(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool]) -> bool:
+    """``node`` is the output of a layer or group norm with a finite weight and bias: never infinite (an infinite
+    entry makes its row's statistics, and so the row, NaN; a finite row is bounded by sqrt(N) |w| + |b|)."""
+    if node.target is operator.getitem:
+        norm, index = node.args
+        where = _NATIVE_NORMS.get(getattr(norm, "target", None)) if index == 0 else None
+    else:
+        norm, where = node, _NORMS.get(node.target)
+    return where is not None and not any(isinstance(a, torch.fx.Node) and inf.get(a, True) for a in norm.args[where])
+
+
+def _dim(d: Any, rank: Optional[int]) -> Optional[int]:
+    return None if not isinstance(d, int) or rank is None else d % rank if rank else 0
+
+
+def _first_row(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool], rows: Dict[torch.fx.Node, bool]) -> Optional[bool]:
+    """Can index 0 along dim 0 of ``node``'s value hold an infinity, from the first rows of its arguments, for ops
+    that keep dim 0 apart (views that leave it in place, pointwise ops, ``linear``, batched products); ``None``
+    for any other op (then: whatever its whole value may hold)."""
+    target, args = node.target, node.args
+    shape = _shape(node)
+    rank = None if shape is None else len(shape)
+    row = lambda a: isinstance(a, torch.fx.Node) and rows.get(a, True)  # noqa: E731
+    whole = lambda a: isinstance(a, torch.fx.Node) and inf.get(a, True)  # noqa: E731
+    src = args[0] if args and isinstance(args[0], torch.fx.Node) else None
+    src_rank = None if src is None or _shape(src) is None else len(_shape(src))
+    if target is operator.getitem and src is not None:
+        first = _block_read(node)
+        if first is not None:
+            return row(first[0]) if first[1] == 0 else None
+        op = src.target
+        dim = src.args[2] if op is _SPLIT and len(src.args) > 2 else src.args[1] if op is _UNBIND and len(src.args) > 1 else 0
+        return row(src.args[0]) if op in (_SPLIT, _UNBIND) and _dim(dim, _rank(src.args[0])) != 0 else None
+    if target in (_STACK, _CAT) and rank and not node.kwargs:
+        parts, d = list(args[0]), args[1] if len(args) > 1 else 0
+        if _dim(d, rank) != 0:
+            return any(row(p) or not isinstance(p, torch.fx.Node) for p in parts)
+        first = _shape(parts[0]) if parts else None
+        return (whole(parts[0]) if target is _STACK else row(parts[0])) if first and first[0] else None
+    if src is None or rank is None or src_rank is None:
+        return None
+    if target in _KEEP_ROWS:
+        return row(src)
+    if target in (_SELECT, _SQUEEZE):
+        return row(src) if _dim(args[1], src_rank) != 0 or (target is _SELECT and args[2] == 0) else None
+    if target is _UNSQUEEZE:
+        return row(src) if _dim(args[1], rank) != 0 else whole(src)
+    if target is _TRANSPOSE:
+        return row(src) if 0 not in (_dim(args[1], src_rank), _dim(args[2], src_rank)) else None
+    if target is _PERMUTE:
+        return row(src) if _dim(list(args[1])[0], src_rank) == 0 else None
+    if target is _UNFLATTEN:
+        return row(src) if _dim(args[1], src_rank) != 0 else None
+    if target in _RESHAPES:  # row-major: the same first dim keeps the first numel / shape[0] entries in row 0
+        return row(src) if src_rank and rank and _shape(src)[0] == shape[0] else None
+    if target is _EXPAND:
+        return row(src) if src_rank == rank else whole(src)
+    if target is _LINEAR:
+        return row(src) or any(whole(a) for a in args[1:]) if src_rank >= 2 else None
+    if target is _BMM:
+        return row(src) or row(args[1])
+    if target is _MM:
+        return row(src) or whole(args[1])
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags and not target._schema.is_mutable:
+        return any(row(a) if _rank(a) == rank else whole(a) for a in node.all_input_nodes)
+    return None
+
+
+def _rank(node: Any) -> Optional[int]:
+    shape = _shape(node)
+    return None if shape is None else len(shape)
+
+
+_UNBIND, _TRANSPOSE, _PERMUTE = torch.ops.aten.unbind.int, torch.ops.aten.transpose.int, torch.ops.aten.permute.default
+_UNFLATTEN, _EXPAND, _LINEAR = torch.ops.aten.unflatten.int, torch.ops.aten.expand.default, torch.ops.aten.linear.default
+_BMM, _MM = torch.ops.aten.bmm.default, torch.ops.aten.mm.default
+_RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_KEEP_ROWS = (torch.ops.aten.contiguous.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default,
+              torch.ops.aten.detach.default)
 
 
 def _written(node: torch.fx.Node):

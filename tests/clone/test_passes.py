@@ -107,6 +107,69 @@ def test_bounded_ops_and_variance_invstd_are_finite_other_infinities_keep_the_fi
     assert (after[aten.isnan.default] == 1) == fixed
 
 
+@pytest.mark.parametrize("source, fixed", [
+    (lambda x: torch.nn.functional.layer_norm(x[0], (3,)), False),  # normalised: no infinity, whatever x holds
+    (lambda x: x[0], True),                                          # the data's own row
+])
+def test_the_first_row_is_followed_apart_from_the_tangent_rows(source, fixed):
+    """With the data possibly infinite (on a device its finiteness is not read), a rule's output block 0 computed
+    from a layer norm holds no infinity while its tangent rows may: through a product that keeps dim 0 apart (linear,
+    a transpose of other dims) the next rule's primal block is finite and its fix dropped; from the data itself kept."""
+    w = torch.randn(5, 3, dtype=D)
+
+    def f(x):
+        a = source(x)
+        h = torch.cat([a.unsqueeze(0), a + (x[1:] - x[0])])  # [a; a + t]: t from the data, possibly infinite
+        return masked(torch.nn.functional.linear(h, w).transpose(1, 2).transpose(1, 2))
+
+    _, after = check(f, torch.randn(2, 4, 3, dtype=D), finite=(False,))
+    assert (after[aten.isnan.default] == 1) == fixed
+
+
+def test_a_row_mixing_op_keeps_the_fix():
+    """``flip(0)`` swaps the primal and tangent rows: block 0 is then a tangent row, which may be infinite."""
+    def f(x):
+        a = torch.nn.functional.layer_norm(x[0], (3,))
+        return masked(torch.cat([a.unsqueeze(0), a + (x[1:] - x[0])]).flip(0))
+
+    _, after = check(f, torch.randn(2, 4, 3, dtype=D), finite=(False,))
+    assert after[aten.isnan.default] == 1
+
+
+def _vit():
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=2, hidden_dim=8,
+                                                mlp_dim=16, num_classes=3).to(D).eval()
+
+
+@pytest.mark.parametrize("infinite", ["x", "u"])
+def test_a_vit_with_an_infinite_input_keeps_no_fix_and_equals_the_eager_engine(infinite):
+    """An infinite entry in the data or the direction (what a device's program must allow for): the ViT's smooth
+    ops all read layer-normed rows (finite or NaN), so its program holds no non-finite fix, and it gives the eager
+    engine's values, NaN where they are NaN."""
+    model = _vit()
+    x, u = torch.randn(2, 3, 16, 16, dtype=D), torch.randn(2, 3, 16, 16, dtype=D)
+    (x if infinite == "x" else u)[1, 0, 3, 5] = float("inf")
+    y, t = jvpreg.jvp(model, (x,), (u,), engine="captured")
+    (prog,) = capture.programs(model).values()
+    assert not ops(prog.gm)[aten.eq.Tensor], "a non-finite fix is left"
+    ref_y, ref_t = jvpreg.jvp(model, (x,), (u,), engine="eager")
+    torch.testing.assert_close((y, t), (ref_y, ref_t), rtol=1e-12, atol=1e-12, equal_nan=True)
+    assert torch.isfinite(t[0]).all() and (torch.isnan(t[1]).all() if infinite == "x" else True)
+
+
+def test_a_meta_program_counts_parameters_finite():
+    """On ``meta`` (``scripts/op_counts.py``: a GPU's code paths without values) parameters count as finite, as a
+    GPU's capture reads them: the ViT's program there holds no fix either."""
+    model = _vit().float().to("meta")
+    x = torch.randn(2, 3, 16, 16, device="meta")
+    jvpreg.jvp(model, (x,), (torch.randn_like(x),), engine="captured")
+    (prog,) = capture.programs(model).values()
+    assert not ops(prog.gm)[aten.eq.Tensor]
+
+
 def test_jvp_of_a_module_is_one_program_with_pack_and_unpack():
     """jvpreg.jvp on a module records x, u, s -> (y, J u) as one program; BatchNorm's invstd does not keep the
     output's non-finite fix; a second call replays it."""
