@@ -701,7 +701,7 @@ def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool],
     ``input_magnitudes[i]`` for placeholder ``i``: parameters and buffers as captured; the call's data counts as 0, its
     overflow being loud), and a floating output whose dtype cannot hold it counts as possibly infinite.
 
-    Where no op may write an infinity in place, a second pass follows block 0 on its own (:func:`_first_rows`): a
+    Where no op may write an infinity in place, a second pass follows block 0 on its own (:func:`_first_row`): a
     clone's primal block is computed from primal blocks only, so it can be finite where the tangent blocks of the
     same tensor may not be (a tangent direction read on a device, whose finiteness is not known)."""
     inf = _infinities(gm, finite_inputs, input_magnitudes, None)
@@ -773,8 +773,9 @@ def _normalised(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool]) -> bool:
     return where is not None and not any(isinstance(a, torch.fx.Node) and inf.get(a, True) for a in norm.args[where])
 
 
-def _dim(d: Any, rank: Optional[int]) -> Optional[int]:
-    return None if not isinstance(d, int) or rank is None else d % rank if rank else 0
+def _apart(d: Any, rank: Optional[int]) -> bool:
+    """``d`` is a known dim of a rank-``rank`` tensor other than dim 0."""
+    return isinstance(d, int) and not isinstance(d, bool) and bool(rank) and d % rank != 0
 
 
 def _first_row(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool], rows: Dict[torch.fx.Node, bool]) -> Optional[bool]:
@@ -794,10 +795,10 @@ def _first_row(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool], rows: Dict[t
             return row(first[0]) if first[1] == 0 else None
         op = src.target
         dim = src.args[2] if op is _SPLIT and len(src.args) > 2 else src.args[1] if op is _UNBIND and len(src.args) > 1 else 0
-        return row(src.args[0]) if op in (_SPLIT, _UNBIND) and _dim(dim, _rank(src.args[0])) != 0 else None
+        return row(src.args[0]) if op in (_SPLIT, _UNBIND) and _apart(dim, _rank(src.args[0])) else None
     if target in (_STACK, _CAT) and rank and not node.kwargs:
         parts, d = list(args[0]), args[1] if len(args) > 1 else 0
-        if _dim(d, rank) != 0:
+        if _apart(d, rank):
             return any(row(p) or not isinstance(p, torch.fx.Node) for p in parts)
         first = _shape(parts[0]) if parts else None
         return (whole(parts[0]) if target is _STACK else row(parts[0])) if first and first[0] else None
@@ -805,16 +806,18 @@ def _first_row(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool], rows: Dict[t
         return None
     if target in _KEEP_ROWS:
         return row(src)
+    if node.kwargs or (target in (_SELECT, _SQUEEZE, _UNSQUEEZE, _UNFLATTEN, _PERMUTE) and len(args) < 2):
+        return None
     if target in (_SELECT, _SQUEEZE):
-        return row(src) if _dim(args[1], src_rank) != 0 or (target is _SELECT and args[2] == 0) else None
+        return row(src) if _apart(args[1], src_rank) or (target is _SELECT and args[1:] == (0, 0)) else None
     if target is _UNSQUEEZE:
-        return row(src) if _dim(args[1], rank) != 0 else whole(src)
+        return row(src) if _apart(args[1], rank) else whole(src)
     if target is _TRANSPOSE:
-        return row(src) if 0 not in (_dim(args[1], src_rank), _dim(args[2], src_rank)) else None
+        return row(src) if len(args) == 3 and _apart(args[1], src_rank) and _apart(args[2], src_rank) else None
     if target is _PERMUTE:
-        return row(src) if _dim(list(args[1])[0], src_rank) == 0 else None
+        return row(src) if list(args[1])[:1] == [0] else None
     if target is _UNFLATTEN:
-        return row(src) if _dim(args[1], src_rank) != 0 else None
+        return row(src) if _apart(args[1], src_rank) else None
     if target in _RESHAPES:  # row-major: the same first dim keeps the first numel / shape[0] entries in row 0
         return row(src) if src_rank and rank and _shape(src)[0] == shape[0] else None
     if target is _EXPAND:
