@@ -705,7 +705,8 @@ def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool],
     clone's primal block is computed from primal blocks only, so it can be finite where the tangent blocks of the
     same tensor may not be (a tangent direction read on a device, whose finiteness is not known)."""
     inf = _infinities(gm, finite_inputs, input_magnitudes, None)
-    if not inf or any(inf[n] and any(True for _ in _written(n)) for n in gm.graph.nodes if n.op == "call_function"):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if not inf or any(inf[n] and _read_writes(n, order) for n in gm.graph.nodes if n.op == "call_function"):
         return inf
     return _infinities(gm, finite_inputs, input_magnitudes, {})
 
@@ -715,6 +716,7 @@ def _infinities(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool], input_m
     """:func:`_may_be_infinite`'s pass; ``rows``: ``{}`` to follow the first row along dim 0 too (filled in)."""
     inf: Dict[torch.fx.Node, bool] = {}
     big: Dict[torch.fx.Node, float] = {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     i = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -746,7 +748,7 @@ def _infinities(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool], input_m
                     first = _block_read(node)
                     if first is not None and first[1] == 0:  # block 0 of a tensor: its first row
                         inf[node] = rows.get(first[0], True)
-                if inf[node] and any(not inf.get(w, True) for w in _written(node)):
+                if inf[node] and any(not inf.get(w, True) for w in _read_writes(node, order)):
                     return {}
             if rows is not None:
                 row = _first_row(node, inf, rows) if inf[node] and not _makes_infinity(node) else None
@@ -760,16 +762,25 @@ def _infinities(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool], input_m
 _NATIVE_NORMS = {op: where for op, where in ((_aten("native_layer_norm"), slice(2, 4)),
                                               (_aten("native_group_norm"), slice(1, 3))) if op is not None}
 _NORMS = {op: slice(2, 4) for op in (_aten("layer_norm"), _aten("group_norm")) if op is not None}
+#: batch norms: normalised by the batch's statistics in training mode (their ``training`` flag at position 5)
+_BATCH_NORMS = {op: native for op, native in ((_aten("batch_norm"), False), (_aten("native_batch_norm"), True),
+                                              (_aten("_native_batch_norm_legit"), True)) if op is not None}
 
 
 def _normalised(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool]) -> bool:
-    """``node`` is the output of a layer or group norm with a finite weight and bias: never infinite (an infinite
-    entry makes its row's statistics, and so the row, NaN; a finite row is bounded by sqrt(N) |w| + |b|)."""
+    """``node`` is the output of a layer or group norm, or of a batch norm in training mode, with a finite weight and
+    bias: never infinite (an infinite entry makes the statistics it is in, and so what they normalise, NaN; finite
+    entries are bounded by sqrt(N) |w| + |b|)."""
     if node.target is operator.getitem:
         norm, index = node.args
-        where = _NATIVE_NORMS.get(getattr(norm, "target", None)) if index == 0 else None
+        target = getattr(norm, "target", None)
+        where = _NATIVE_NORMS.get(target) if index == 0 else None
+        if index == 0 and _BATCH_NORMS.get(target) is True and len(norm.args) > 5 and norm.args[5] is True:
+            where = slice(1, 3)
     else:
         norm, where = node, _NORMS.get(node.target)
+        if _BATCH_NORMS.get(node.target) is False and len(node.args) > 5 and node.args[5] is True:
+            where = slice(1, 3)
     return where is not None and not any(isinstance(a, torch.fx.Node) and inf.get(a, True) for a in norm.args[where])
 
 
@@ -794,6 +805,8 @@ def _first_row(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool], rows: Dict[t
         if first is not None:
             return row(first[0]) if first[1] == 0 else None
         op = src.target
+        if node.args[1] == 0 and _schema_name(op) == "jvpreg::batch_norm_blocks":  # block 0: BN(a), batch statistics
+            return whole(src.args[1]) or whole(src.args[2]) if len(src.args) > 2 else None
         dim = src.args[2] if op is _SPLIT and len(src.args) > 2 else src.args[1] if op is _UNBIND and len(src.args) > 1 else 0
         return row(src.args[0]) if op in (_SPLIT, _UNBIND) and _apart(dim, _rank(src.args[0])) else None
     if target in (_STACK, _CAT) and rank and not node.kwargs:
@@ -833,6 +846,10 @@ def _first_row(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool], rows: Dict[t
     return None
 
 
+def _schema_name(target: Any) -> str:
+    return target._schema.name if isinstance(target, torch._ops.OpOverload) else ""
+
+
 def _rank(node: Any) -> Optional[int]:
     shape = _shape(node)
     return None if shape is None else len(shape)
@@ -844,6 +861,14 @@ _BMM, _MM = torch.ops.aten.bmm.default, torch.ops.aten.mm.default
 _RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _KEEP_ROWS = (torch.ops.aten.contiguous.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default,
               torch.ops.aten.detach.default)
+
+
+def _read_writes(node: torch.fx.Node, order: Dict[torch.fx.Node, int]) -> list:
+    """The tensors ``node`` writes into that the program may read afterwards: not those whose other users all come
+    before ``node`` and make no alias (BatchNorm's running statistics, read by the batch norm and then updated in
+    place: the write reaches no reader of this call)."""
+    return [w for w in _written(node)
+            if any(u is not node and (order[u] > order[node] or _is_view(u)) for u in w.users)]
 
 
 def _written(node: torch.fx.Node):

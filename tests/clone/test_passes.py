@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import operator
 
 import pytest
@@ -158,6 +159,24 @@ def test_a_vit_with_an_infinite_input_keeps_no_fix_and_equals_the_eager_engine(i
     ref_y, ref_t = jvpreg.jvp(model, (x,), (u,), engine="eager")
     torch.testing.assert_close((y, t), (ref_y, ref_t), rtol=1e-12, atol=1e-12, equal_nan=True)
     assert torch.isfinite(t[0]).all() and (torch.isnan(t[1]).all() if infinite == "x" else True)
+
+
+def test_train_mode_batch_norm_with_an_infinite_input_keeps_no_fix_and_equals_the_eager_engine():
+    """Train-mode BatchNorm normalises by the batch's statistics: its output's primal block is never infinite, so the
+    hardswish after it keeps no fix (the batch norm's own input keeps its: the data's infinity is there); its running
+    statistics, read by it and then updated in place, do not stop the analysis. Values (NaN where they are NaN) and
+    running statistics equal the eager engine's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Hardswish(), nn.Conv2d(4, 2, 3)).to(D).train()
+    twin = copy.deepcopy(model)
+    x, u = torch.randn(3, 3, 8, 8, dtype=D), torch.randn(3, 3, 8, 8, dtype=D)
+    x[1, 0, 2, 2] = float("inf")
+    y, t = jvpreg.jvp(model, (x,), (u,), engine="captured")
+    (prog,) = capture.programs(model).values()
+    assert ops(prog.gm)[aten.eq.Tensor] == 1, "the hardswish's non-finite fix is left"
+    ref_y, ref_t = jvpreg.jvp(twin, (x,), (u,), engine="eager")
+    torch.testing.assert_close((y, t), (ref_y, ref_t), rtol=1e-12, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(model[1].running_mean, twin[1].running_mean, rtol=0, atol=0, equal_nan=True)
 
 
 def test_a_meta_program_counts_parameters_finite():
