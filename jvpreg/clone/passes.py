@@ -864,11 +864,11 @@ _KEEP_ROWS = (torch.ops.aten.contiguous.default, torch.ops.aten.clone.default, t
 
 
 def _read_writes(node: torch.fx.Node, order: Dict[torch.fx.Node, int]) -> list:
-    """The tensors ``node`` writes into that the program may read afterwards: not those whose other users all come
-    before ``node`` and make no alias (BatchNorm's running statistics, read by the batch norm and then updated in
-    place: the write reaches no reader of this call)."""
+    """The tensors ``node`` writes into that the program may read afterwards: not those, themselves no view, whose
+    other users all come before ``node`` and make no alias (BatchNorm's running statistics, read by the batch norm and
+    then updated in place: the write reaches no reader of this call)."""
     return [w for w in _written(node)
-            if any(u is not node and (order[u] > order[node] or _is_view(u)) for u in w.users)]
+            if _is_view(w) or any(u is not node and (order[u] > order[node] or _is_view(u)) for u in w.users)]
 
 
 def _written(node: torch.fx.Node):
