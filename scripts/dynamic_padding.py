@@ -124,6 +124,10 @@ def main(argv: list | None = None) -> int:
         engine, pad, batch = args.one.split(":")
         print(json.dumps(run_one(engine, args.epochs, int(pad), int(batch))))
         return 0
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        ap.error("needs Hugging Face transformers: pip install -e \".[hf]\"")
     try:
         configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     except ValueError:
