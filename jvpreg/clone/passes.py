@@ -740,7 +740,8 @@ def _infinities(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool], input_m
                            if isinstance(v, float) and math.isfinite(v)]  # float constants: ints are sizes and dims
                 big[node] = max([big.get(n, 0.0) for n in inputs] + numbers, default=0.0)
                 val = node.meta.get("val")
-                ranges = [m for m in map(_max_finite, val if isinstance(val, (list, tuple)) else [val]) if m is not None]
+                vals = val if isinstance(val, (list, tuple)) else [val]
+                ranges = [m for m in map(_max_finite, vals) if m is not None]
                 too_big = bool(ranges) and big[node] > min(ranges)
                 inf[node] = too_big or not _normalised(node, inf) and (_makes_infinity(node)
                                                                       or any(inf.get(n, True) for n in inputs))
@@ -807,7 +808,8 @@ def _first_row(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool], rows: Dict[t
         op = src.target
         if node.args[1] == 0 and _schema_name(op) == "jvpreg::batch_norm_blocks":  # block 0: BN(a), batch statistics
             return whole(src.args[1]) or whole(src.args[2]) if len(src.args) > 2 else None
-        dim = src.args[2] if op is _SPLIT and len(src.args) > 2 else src.args[1] if op is _UNBIND and len(src.args) > 1 else 0
+        dim = (src.args[2] if op is _SPLIT and len(src.args) > 2
+               else src.args[1] if op is _UNBIND and len(src.args) > 1 else 0)
         return row(src.args[0]) if op in (_SPLIT, _UNBIND) and _apart(dim, _rank(src.args[0])) else None
     if target in (_STACK, _CAT) and rank and not node.kwargs:
         parts, d = list(args[0]), args[1] if len(args) > 1 else 0
@@ -841,7 +843,8 @@ def _first_row(node: torch.fx.Node, inf: Dict[torch.fx.Node, bool], rows: Dict[t
         return row(src) or row(args[1])
     if target is _MM:
         return row(src) or whole(args[1])
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags and not target._schema.is_mutable:
+    pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    if pointwise and not target._schema.is_mutable:
         return any(row(a) if _rank(a) == rank else whole(a) for a in node.all_input_nodes)
     return None
 
@@ -856,7 +859,8 @@ def _rank(node: Any) -> Optional[int]:
 
 
 _UNBIND, _TRANSPOSE, _PERMUTE = torch.ops.aten.unbind.int, torch.ops.aten.transpose.int, torch.ops.aten.permute.default
-_UNFLATTEN, _EXPAND, _LINEAR = torch.ops.aten.unflatten.int, torch.ops.aten.expand.default, torch.ops.aten.linear.default
+_UNFLATTEN, _EXPAND = torch.ops.aten.unflatten.int, torch.ops.aten.expand.default
+_LINEAR = torch.ops.aten.linear.default
 _BMM, _MM = torch.ops.aten.bmm.default, torch.ops.aten.mm.default
 _RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _KEEP_ROWS = (torch.ops.aten.contiguous.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default,
