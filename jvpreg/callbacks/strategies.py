@@ -29,8 +29,8 @@ from torch import nn
 from ..losses.base import JVPPenalty, Term
 from ..losses.sharded import is_sharded
 
-__all__ = ["check_monitor_strategy", "check_strategy", "destroy_process_group_at_exit", "end_worker_process", "fsdp2_strategy", "fully_shard_blocks", "has_weight_directions", "is_fully_sharded",
-           "unsharded_copy"]
+__all__ = ["check_monitor_strategy", "check_strategy", "destroy_process_group_at_exit", "end_worker_process",
+           "fsdp2_strategy", "fully_shard_blocks", "has_weight_directions", "is_fully_sharded", "unsharded_copy"]
 
 _REFUSED = {
     "DeepSpeedStrategy": "DeepSpeed partitions and gathers parameters inside its own engine, which jvpreg does not "
