@@ -704,19 +704,20 @@ def _may_be_infinite(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool],
     Where no op may write an infinity in place, a second pass follows block 0 on its own (:func:`_first_row`): a
     clone's primal block is computed from primal blocks only, so it can be finite where the tangent blocks of the
     same tensor may not be (a tangent direction read on a device, whose finiteness is not known)."""
-    inf = _infinities(gm, finite_inputs, input_magnitudes, None)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    inf = _infinities(gm, finite_inputs, input_magnitudes, order, None)
     if not inf or any(inf[n] and _read_writes(n, order) for n in gm.graph.nodes if n.op == "call_function"):
         return inf
-    return _infinities(gm, finite_inputs, input_magnitudes, {})
+    return _infinities(gm, finite_inputs, input_magnitudes, order, {})
 
 
 def _infinities(gm: torch.fx.GraphModule, finite_inputs: Sequence[bool], input_magnitudes: Sequence[float],
+                order: Dict[torch.fx.Node, int],
                 rows: Optional[Dict[torch.fx.Node, bool]]) -> Dict[torch.fx.Node, bool]:
-    """:func:`_may_be_infinite`'s pass; ``rows``: ``{}`` to follow the first row along dim 0 too (filled in)."""
+    """:func:`_may_be_infinite`'s pass (``order``: each node's position); ``rows``: ``{}`` to follow the first row
+    along dim 0 too (filled in)."""
     inf: Dict[torch.fx.Node, bool] = {}
     big: Dict[torch.fx.Node, float] = {}
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     i = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
