@@ -231,6 +231,7 @@ def check_one(source: str, name: str) -> dict:
     import torch
 
     import jvpreg
+    from jvpreg.clone.device_paths import accelerator_path
 
     torch.manual_seed(0)
     row = {"source": source, "model": name}
@@ -276,11 +277,18 @@ def check_one(source: str, name: str) -> dict:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 row[f"error64_{engine}"] = _rel(jvpreg.jvp(f, (x,), (u,), engine=engine)[1], t64)
+        with accelerator_path(), warnings.catch_warnings():  # the program a GPU replays: a capture, then a replay
+            warnings.simplefilter("ignore")
+            f = call(model)
+            jvpreg.jvp(f, (x,), (u,), engine="captured")
+            row["error64_accelerator"] = _rel(jvpreg.jvp(f, (x,), (u,), engine="captured")[1], t64)
     row["fallback_ops"] = sorted(fallbacks)
     row["not_captured"] = capture_reason
     row["host_reads"] = host_reads(model, call, x)
     row["checkpointing"], row["error64_checkpointing"] = checkpointing(source, model, call, x)
-    exact = max(row["error64_eager"], row["error64_captured"], row["error64_checkpointing"] or 0.0) <= EXACT
+    row["error64_accelerator_step"] = accelerator_step(model, call, x)
+    exact = max(row["error64_eager"], row["error64_captured"], row["error64_accelerator"],
+                row["error64_accelerator_step"], row["error64_checkpointing"] or 0.0) <= EXACT
     row["verdict"] = "exact" if exact else "MISMATCH"
     return row
 
@@ -319,6 +327,67 @@ def host_reads(model, call, x) -> str:
     return "none"
 
 
+def _without_randomness(model):
+    """A train-mode copy with dropout modules and stochastic depth (timm's and HF's ``drop_prob``) off."""
+    import torch
+
+    model = copy.deepcopy(model).train()
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+        if isinstance(getattr(mod, "drop_prob", None), float):
+            mod.drop_prob = 0.0
+    return model
+
+
+def _regularized_grads(f, x, engine: str) -> dict:
+    """Gradients of two train-mode steps (task loss + Jacobian + weight-sensitivity penalties), each from seed 0."""
+    import torch
+
+    from jvpreg.losses import JacobianFrobenius, ParameterSensitivity, Stack, regularized_forward
+
+    for _ in range(2):  # the captured engine: the capture, then a replay
+        torch.manual_seed(0)
+        f.zero_grad()
+        penalty = Stack([JacobianFrobenius(seed=0), ParameterSensitivity(params=("*weight",), seed=1)])
+        out, pen = regularized_forward(f, x, penalty, engine=engine)
+        (out.square().mean() + pen).backward()
+    return {n: p.grad for n, p in f.named_parameters() if p.grad is not None}
+
+
+def accelerator_step(model, call, x) -> float:
+    """A regularized training step of the captured engine on the accelerator's path
+    (:func:`jvpreg.clone.device_paths.accelerator_path`: scales as kernels, non-finite fixes kept, BatchNorm's device
+    forms) against the same step on the host's path, in float64: the largest gradient difference over the largest
+    gradient (``inf`` if the gradients are of other parameters or the step fails on one path only)."""
+    from jvpreg.clone.device_paths import accelerator_path
+
+    x = _two_samples(x)
+    grads = []
+    for path in (contextlib.nullcontext, accelerator_path):
+        with path(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                grads.append(_regularized_grads(call(_without_randomness(model)), x, "captured"))
+            except Exception as err:  # noqa: BLE001  (recorded: the same error on both paths is the model's)
+                grads.append(f"{type(err).__name__}: {err}")
+    host, acc = grads
+    if isinstance(host, str) or isinstance(acc, str):
+        return 0.0 if host == acc else float("inf")
+    if host.keys() != acc.keys():
+        return float("inf")
+    scale = max(float(g.abs().max()) for g in host.values()) or 1.0
+    return max(float((acc[n] - host[n]).abs().max()) for n in host) / scale
+
+
+def _two_samples(x):
+    """``[x; -x]`` for a one-sample image input: train-mode BatchNorm needs two samples where it pools to 1x1 (SK
+    attention, split attention)."""
+    import torch
+
+    return torch.cat([x, -x]) if x.is_floating_point() and x.shape[0] == 1 else x
+
+
 def checkpointing(source: str, model, call, x) -> tuple:
     """A regularized training step (train mode, dropout modules and stochastic depth off, ``JacobianFrobenius`` + ``ParameterSensitivity`` on every
     weight) with the model's own activation checkpointing on (timm ``set_grad_checkpointing``, Hugging Face
@@ -330,14 +399,7 @@ def checkpointing(source: str, model, call, x) -> tuple:
     differ by 0.08-0.8 before."""
     import torch
 
-    from jvpreg.losses import JacobianFrobenius, ParameterSensitivity, Stack, regularized_forward
-
-    base = copy.deepcopy(model).train()
-    for mod in base.modules():  # no randomness: dropout and stochastic depth (timm's and HF's drop_prob) off
-        if isinstance(mod, torch.nn.Dropout):
-            mod.p = 0.0
-        if isinstance(getattr(mod, "drop_prob", None), float):
-            mod.drop_prob = 0.0
+    base = _without_randomness(model)
     checkpointed = copy.deepcopy(base)
     try:
         if source == "timm":
@@ -346,8 +408,7 @@ def checkpointing(source: str, model, call, x) -> tuple:
             checkpointed.gradient_checkpointing_enable()
     except Exception as err:  # noqa: BLE001  (recorded: the architecture has none)
         return f"no checkpointing in the model ({type(err).__name__})", None
-    if x.is_floating_point() and x.shape[0] == 1:  # train-mode BatchNorm needs two samples where it pools to 1x1
-        x = torch.cat([x, -x])                       # (SK attention, split attention)
+    x = _two_samples(x)
     with torch.no_grad():  # a model whose checkpointed path computes something else is not jvpreg's to compare
         outs = []
         for m in (base, checkpointed):
@@ -362,13 +423,7 @@ def checkpointing(source: str, model, call, x) -> tuple:
 
     def grads(m, engine):
         f = call(m)
-        for _ in range(2):
-            torch.manual_seed(0)
-            f.zero_grad()
-            penalty = Stack([JacobianFrobenius(seed=0), ParameterSensitivity(params=("*weight",), seed=1)])
-            out, pen = regularized_forward(f, x, penalty, engine=engine)
-            (out.square().mean() + pen).backward()
-        return {n: p.grad for n, p in f.named_parameters() if p.grad is not None}, f
+        return _regularized_grads(f, x, engine), f
 
     worst, notes = 0.0, []
     for engine in ("eager", "captured"):  # each against its own step without checkpointing (HF's float32 norms
@@ -451,22 +506,27 @@ def to_markdown(rows: list, command: str) -> str:
         "Jacobian + weight-sensitivity penalties) with the model's own activation checkpointing on, on the eager and "
         "the captured engine, each against its own step without it: the largest gradient difference over the largest "
         "gradient (part of the verdict), and how many checkpointed regions the captured programs replay through "
-        "`torch.utils.checkpoint` (or why that engine ran eagerly).",
+        "`torch.utils.checkpoint` (or why that engine ran eagerly). *accelerator path*: the captured engine on the "
+        "code path a GPU takes (`jvpreg.clone.device_paths.accelerator_path`: scales chosen by kernels in the "
+        "program, no value read by the host, the non-finite fixes kept where an infinity can reach, BatchNorm's "
+        "device forms), run on the CPU: the JVP's error in float64 throughout, and a regularized training step's "
+        "largest gradient difference from the host path's over the largest gradient (both part of the verdict).",
         "", f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {platform.system()}, torch {torch.__version__}, CPU.  ",
         "Verdicts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".", "",
         "| source | model | input | reference | eager (as is) | captured (as is) | eager (f64) | captured (f64) "
-        "| verdict | first call eager / captured (s) | ops on the fallback | not captured because | host reads "
-        "| checkpointing |",
-        "|---|---|---|---|---:|---:|---:|---:|---|---:|---|---|---|---|",
+        "| accelerator path (f64) | accelerator path, step | verdict | first call eager / captured (s) "
+        "| ops on the fallback | not captured because | host reads | checkpointing |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|---|---|",
     ]
     for r in rows:
         if r["verdict"] == "error":
-            lines.append(f"| {r['source']} | `{r['model']}` | | | | | | | error | | | {r.get('error', '')} | | |")
+            lines.append(f"| {r['source']} | `{r['model']}` | | | | | | | | | error | | | {r.get('error', '')} | | |")
             continue
         lines.append(
             f"| {r['source']} | `{r['model']}` | {r['input']} | {r['reference']} | {_e(r['error_eager'])} | "
-            f"{_e(r['error_captured'])} | {_e(r['error64_eager'])} | {_e(r['error64_captured'])} | {r['verdict']} | "
+            f"{_e(r['error_captured'])} | {_e(r['error64_eager'])} | {_e(r['error64_captured'])} | "
+            f"{_e(r.get('error64_accelerator'))} | {_e(r.get('error64_accelerator_step'))} | {r['verdict']} | "
             f"{r['first_call_s_eager']} / {r['first_call_s_captured']} | {', '.join(r['fallback_ops'])} | "
             f"{r['not_captured']} | {r.get('host_reads', '')} | {_checkpointing_cell(r)} |")
     return "\n".join(lines) + "\n"

@@ -5,7 +5,8 @@ Layout: ``tensor`` (the K-block batch type), ``registry`` (the one rule registry
 module per family of nonlinear ops), ``functions`` (custom autograd.Functions), ``checkpointing``
 (``torch.utils.checkpoint`` regions recomputed in clone mode), ``api``
 (``jvp``, ``jvp_params``, ``pack``/``call``/``unpack``, and the pieces the losses share:
-``scales``, ``clone_of``, ``swapped_tensors``), ``capture`` (the captured and compiled engines).
+``scales``, ``clone_of``, ``swapped_tensors``), ``capture`` (the captured and compiled engines), ``device_paths``
+(the host's path or an accelerator's, and :func:`~jvpreg.clone.device_paths.accelerator_path` to test the latter).
 """
 from . import structural  # noqa: F401  (registers the fast paths)
 from . import rules  # noqa: F401  (registers the rules)

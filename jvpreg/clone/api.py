@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import capture, functions
+from .device_paths import on_host
 from .dispatch import check_not_custom_output
 from .tensor import _SWAPPED_CLONES, CloneTensor, autocast_enabled, block_delta, capturing, is_clone, wrap
 
@@ -54,7 +55,7 @@ def choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None) ->
 def host_scales(ref: torch.Tensor) -> bool:
     """Whether the scales of a clone forward on ``ref``'s device are chosen by the host (on the CPU, where reading a
     norm costs nothing) or by kernels (:func:`device_scales`: on an accelerator a read would wait for the device)."""
-    return ref.is_cpu
+    return on_host(ref)
 
 
 _SHARED_SCALES: Dict[tuple, torch.Tensor] = {}  # read-only CPU scale tensors by value (jvp's program inputs)
@@ -244,7 +245,7 @@ def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
                 sv = scales.to(p.dtype).reshape(-1, *([1] * y0.dim()))
                 d = rest - y0  # block_delta's non-finite fix changes nothing where no difference is NaN
                 # (checked on the host for free; a captured program keeps the fix where an infinity can reach it)
-                if d.device.type != "cpu" or capturing() or bool(torch.isnan(d).any()):
+                if not on_host(d) or capturing() or bool(torch.isnan(d).any()):
                     d = block_delta(rest, y0)
                 t = d / sv
             else:

@@ -45,8 +45,8 @@ parameter and buffer (a replaced tensor recaptures; a clone parameter, put in by
 its children (a swapped submodule recaptures), except on torch.nn leaves whose forward reads neither
 (``Linear``, ``ReLU``, ...: a third to a half of the guard's cost); plain tensor attributes of the modules
 that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode, autocast
-state, the default dtype (factory ops such as ``torch.full`` without a dtype follow it), the fallback mode
-and the engine (``"compiled"`` records its own program). Forward hooks are rescanned whenever torch's
+state, the default dtype (factory ops such as ``torch.full`` without a dtype follow it), the fallback mode,
+the device path (:mod:`jvpreg.clone.device_paths`) and the engine (``"compiled"`` records its own program). Forward hooks are rescanned whenever torch's
 hook-handle counter moved: a hook registered after a capture sends the module to eager clone mode. A changed
 guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
 
@@ -107,7 +107,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpointed_regions, compiled_code, functions, sharded_units
+from . import checkpointed_regions, compiled_code, device_paths, functions, sharded_units
 from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
@@ -414,7 +414,7 @@ def _finite(leaf: torch.Tensor) -> bool:
     """Every entry of ``leaf`` (every block, for a clone) is finite. Checked on the CPU only: on a device it
     would cost a host synchronisation, so a device tensor counts as possibly non-finite."""
     t = _phys(leaf) if type(leaf) is CloneTensor else leaf
-    return t.device.type == "cpu" and _all_finite(t)
+    return device_paths.on_host(t) and _all_finite(t)
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -467,7 +467,7 @@ def _key(rec: _Record, call_id: Any, in_spec: Any, leaves: List[Any], slot_value
     return (call_id, in_spec, sigs, slot_sig,
             rec.root_flagged and rec.root().training, tuple(map(_TRAINING, rec.flagged)), torch.is_grad_enabled(),
             _autocast_state(), torch.get_default_dtype(),  # factory ops without a dtype (torch.full, arange)
-            _FALLBACK["mode"])
+            _FALLBACK["mode"], device_paths.simulated())
 
 
 def _varying_sizes(keys: List[Tuple[Any, ...]]) -> str:

@@ -48,6 +48,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .device_paths import on_host
+
 __all__ = ["applies", "relu_blocks", "batch_norm_tangent", "group_norm_tangent", "attention_blocks",
            "attention_probs", "attention_recomputed", "layer_norm_tangent", "linearised_attention"]
 
@@ -109,7 +111,7 @@ def applies(t: torch.Tensor) -> bool:
 
     return (torch.is_grad_enabled() and t.requires_grad and type(t) in (torch.Tensor, CloneTensor)
             and torch._C._functorch.peek_interpreter_stack() is None
-            and (t.device.type == "cpu" or not compiling()))
+            and (on_host(t) or not compiling()))
 
 
 @_operator("relu_blocks")
@@ -247,7 +249,7 @@ def few_launches(t: torch.Tensor) -> bool:
     """Whether the BatchNorm tangent's backward takes the form with fewer, larger kernels
     (:func:`_bn_tangent_grads_few_launches`): on an accelerator, where a small network's step is launch-bound. The
     CPU keeps the form expanded in ``a``, ``d_j``, ``g_j`` (one BatchNorm backward pass fewer: 1.3x faster here)."""
-    return t.device.type != "cpu"
+    return not on_host(t)
 
 
 def _bn_tangent_grads_few_launches(grad, d, a, weight, mean, invstd, sum_dx, eps):
@@ -817,7 +819,7 @@ def _attention_batch_chunks(saved: list, grad: torch.Tensor) -> list:
     per_row = saved[0].shape[-2] * saved[1].shape[-2]  # L x S
     for d in batch[1:]:
         per_row *= d
-    budget = ATTENTION_BACKWARD_CHUNK_NUMEL if grad.device.type == "cpu" else ACCELERATOR_ATTENTION_BACKWARD_CHUNK_NUMEL
+    budget = ATTENTION_BACKWARD_CHUNK_NUMEL if on_host(grad) else ACCELERATOR_ATTENTION_BACKWARD_CHUNK_NUMEL
     if per_row * batch[0] <= budget:
         return [(0, None)]
     rows = max(1, int(budget // per_row))

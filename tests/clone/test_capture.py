@@ -11,6 +11,7 @@ from torch import nn
 
 import jvpreg
 from jvpreg.clone import JVPCaptureWarning, capture, fallback_mode
+from jvpreg.clone.device_paths import accelerator_path
 from jvpreg.losses import JacobianFrobenius, Stack, TangentProp, regularized_forward
 from jvpreg.models import build_model
 
@@ -172,13 +173,12 @@ def test_captured_penalty_gradients_equal_eager_and_torch_func(mode):
 
 
 @pytest.mark.parametrize("engine", ["captured", "compiled"])
-def test_scales_chosen_by_kernels_are_recorded_in_the_jvp_program(monkeypatch, engine):
+def test_scales_chosen_by_kernels_are_recorded_in_the_jvp_program(engine):
     """On an accelerator the scales are kernels (:func:`jvpreg.clone.api.device_scales`) and a JVP's program records
-    them with the rest (a compiled program fuses them): run here by making the CPU take that path. The program then
+    them with the rest (a compiled program fuses them): run here on the CPU taking that path
+    (:func:`jvpreg.clone.device_paths.accelerator_path`). The program then
     reads ``x`` and ``u`` only (no scale input), computes ``||x||`` and ``||u||`` itself, and gives the JVP of the
     host-chosen scales and torch.func's, with tangents of sizes 1e-20 to 1e20 (scales that differ by 2^130)."""
-    from jvpreg.clone import api
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.ReLU(), nn.Linear(7, 2)).to(D).eval()
     x, u = randn(6, 5), randn(6, 5)
@@ -186,13 +186,13 @@ def test_scales_chosen_by_kernels_are_recorded_in_the_jvp_program(monkeypatch, e
     ref = {size: torch.func.jvp(model, (x,), (size * u,)) for size in sizes}
     host = {size: jvpreg.jvp(model, (x,), (size * u,), engine=engine) for size in sizes}
     capture.reset(model)
-    monkeypatch.setattr(api, "host_scales", lambda ref: False)
-    for _ in range(2):  # a capture, then a replay
-        for size, (y_ref, t_ref) in ref.items():
-            y, t = jvpreg.jvp(model, (x,), (size * u,), engine=engine)
-            torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(t / size, t_ref / size, rtol=1e-10, atol=1e-12)
-            torch.testing.assert_close(t, host[size][1], rtol=1e-12, atol=0)
+    with accelerator_path():
+        for _ in range(2):  # a capture, then a replay
+            for size, (y_ref, t_ref) in ref.items():
+                y, t = jvpreg.jvp(model, (x,), (size * u,), engine=engine)
+                torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(t / size, t_ref / size, rtol=1e-10, atol=1e-12)
+                torch.testing.assert_close(t, host[size][1], rtol=1e-12, atol=0)
     (program,) = [p for p in capture.programs(model).values() if p.gm is not None]
     targets = {str(n.target) for n in program.gm.graph.nodes if n.op == "call_function"}
     assert "aten.linalg_vector_norm.default" in targets and "aten.exp2.default" in targets

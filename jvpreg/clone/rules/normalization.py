@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..device_paths import on_host
 from ..dispatch import fallback
 from ..registry import register_rule
 from .. import kernels
@@ -126,7 +127,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         return _batch_norm_blocks(input, w0, b0, running_mean, running_var, momentum, eps)
     if is_clone(input):
         a = kept_primal(input)
-    if a.device.type == "cpu" and (w0 is None or w0.dtype == a.dtype):
+    if on_host(a) and (w0 is None or w0.dtype == a.dtype):
         # the kernel F.batch_norm runs on the CPU, called for its statistics too (a separate var_mean: 3x its time)
         out_a, mean, invstd = torch.ops.aten.native_batch_norm(a, w0, b0, running_mean, running_var, True,
                                                                momentum, eps)
@@ -149,7 +150,7 @@ def _blocks_in_one_output(x, weight, bias) -> bool:
     if not is_clone(x) or varies(weight) or varies(bias):
         return False
     z, w0 = raw(x), _primal(weight)
-    return (type(z) is torch.Tensor and z.device.type == "cpu" and z.dtype in (torch.float32, torch.float64)
+    return (type(z) is torch.Tensor and on_host(z) and z.dtype in (torch.float32, torch.float64)
             and (w0 is None or w0.dtype == z.dtype) and not compiling()
             and torch._C._functorch.peek_interpreter_stack() is None)
 
