@@ -15,12 +15,12 @@
 # packed into OUTDIR/gpu_partN.tar.gz (the device returns at most 8 files) and the log into OUTDIR/gpu_partN.log.
 # Unpack into experiments/results/gpu/ and commit with the device line of the tool's reply.
 #
-#   part 1: the GPU target (ResNet-50, ViT-B/16, DenseNet-121 at batch 32: captured / fwd 2B and torch.func.jvp /
-#           captured), fp32 and bf16 autocast; the four small-op models with every engine, torch.compile included
+#   part 1: the tests that need a GPU (tests/clone/test_accelerator_path.py on CUDA, FlexAttention); the GPU target
+#           (ResNet-50, ViT-B/16, DenseNet-121 at batch 32: captured / fwd 2B and torch.func.jvp / captured), fp32
+#           and bf16 autocast; the four small-op models with every engine, torch.compile included
 #   part 2: the training step (plain, plain 2B, clone eager / captured / compiled, double backprop, torch.func.jvp)
 #           for ResNet-18 with BatchNorm, the MLP and the small ViT, fp32 and bf16 autocast
-#   part 3: the small-op models at batch 8, 32 and 128 (fp32 and bf16), the tests that need a GPU, and the recurrent
-#           models with every engine
+#   part 3: the small-op models at batch 8, 32 and 128 (fp32 and bf16) and the recurrent models with every engine
 #   part 4: the paper's 13 architectures (JVP w.r.t. the input, 100x100 and 400x400)
 # Timings of the first run (H100, 2026-11-25): parts 1-3 took 338, 438 and 500 s; the recurrent models overran
 # 170 s and the paper's table 150 s, which is why each now has more and the paper a call of its own.
@@ -69,11 +69,15 @@ train_methods=plain,plain_2b,clone,clone_eager,double_backprop,func_jvp,plain_co
 
 case $part in
 1)
+    # correctness first: the accelerator's path in float64 on the GPU's own kernels against forward AD on the CPU,
+    # and FlexAttention (no backward on the CPU); the result is in the log
+    step gpu_tests 75 python -m pytest tests/clone/test_accelerator_path.py tests/clone/test_flex_attention.py -q \
+        -p no:cacheprovider -rs -k "not cpu-accelerator-path"
     step gpu_fp32 120 python -m jvpreg.bench capture --suites gpu --methods $jvp_methods --device $dev \
         --rounds $rounds $big --no-progress --out "$res/bench_capture_gpu_fp32"
     step gpu_bf16 120 python -m jvpreg.bench capture --suites gpu --methods $jvp_methods --device $dev \
         --autocast bf16 --rounds $rounds $big --no-progress --out "$res/bench_capture_gpu_bf16"
-    step small_fp32 300 python -m jvpreg.bench capture --suites small --device $dev --rounds $rounds \
+    step small_fp32 270 python -m jvpreg.bench capture --suites small --device $dev --rounds $rounds \
         --no-progress --out "$res/bench_capture_small_fp32"
     ;;
 2)
@@ -92,9 +96,7 @@ case $part in
                 --out "$res/bench_capture_small_b${b}_$amp"
         done
     done
-    # the tests that need a GPU (FlexAttention has no backward on the CPU): the result is in the log
-    step gpu_tests 60 python -m pytest tests/clone/test_flex_attention.py -q -p no:cacheprovider -rs
-    step rnn_fp32 270 python -m jvpreg.bench capture --suites rnn --device $dev --rounds $rounds \
+    step rnn_fp32 330 python -m jvpreg.bench capture --suites rnn --device $dev --rounds $rounds \
         --no-progress --out "$res/bench_capture_rnn_fp32"
     ;;
 4)

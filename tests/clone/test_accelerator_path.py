@@ -1,15 +1,18 @@
-"""The accelerator's code path, run on the CPU (:func:`jvpreg.clone.device_paths.accelerator_path`), in float64.
+"""The accelerator's code path in float64: on the CPU taking it (:func:`jvpreg.clone.device_paths.accelerator_path`),
+and on a GPU where there is one (``scripts/gpu_benchmarks.sh`` runs this file there).
 
 On a GPU the engine reads no value on the host: the scales are kernels inside the program, the non-finite fixes stay
 where an infinity can reach, train-mode BatchNorm takes the device's kernel for its primal block and the backward of
 its tangent the form with fewer kernels. These tests hold that path to the references the host's path is held to:
-JVPs against forward-mode AD, and the gradients of a regularized step against the host path's.
+JVPs against forward-mode AD on the CPU, and the gradients of a regularized step against the host path's.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import warnings
+from typing import Callable, ContextManager
 from unittest import mock
 
 import pytest
@@ -93,26 +96,60 @@ def test_cpu_tensors_take_the_accelerator_path_only_inside_it():
     assert on_host(t) and not kernels.few_launches(t)
 
 
-def _check_jvp(setting, mode, engine):
-    """Twice (the capture, then a replay), each call from the same running statistics as the reference."""
+@dataclasses.dataclass
+class Path:
+    """Where the accelerator's path runs: ``device``, inside ``taken()``."""
+
+    device: str
+    taken: Callable[[], ContextManager]
+
+
+@pytest.fixture(params=["cpu", "cuda"], ids=["cpu-accelerator-path", "cuda"])
+def path(request) -> Path:
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no GPU here: the CPU's accelerator path stands in for it")
+        return Path("cuda", contextlib.nullcontext)
+    return Path("cpu", accelerator_path)
+
+
+class CpuDraws:
+    """A seeded penalty's random directions drawn on the CPU whatever the device (CUDA's generator draws others)."""
+
+    def sample(self, shape, like, distribution="gaussian"):
+        return super().sample(shape, like.detach().cpu(), distribution).to(like.device)
+
+
+class Jacobian(CpuDraws, JacobianFrobenius):
+    pass
+
+
+class Sensitivity(CpuDraws, ParameterSensitivity):
+    pass
+
+
+def _check_jvp(setting, mode, engine, path):
+    """Twice (the capture, then a replay), each call from the same running statistics as the reference (forward AD
+    on the CPU)."""
     model = _model(setting, mode)
     x = torch.randn(setting["shape"], dtype=D)
     u = torch.randn_like(x)
     state = copy.deepcopy(model.state_dict())
     want = _forward_ad(model, x, u)
-    with accelerator_path():
+    model.to(path.device)
+    with path.taken():
         for _ in range(2):
             model.load_state_dict(state)
-            _, got = jvpreg.jvp(model, (x,), (u,), engine=engine)
-            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+            _, got = jvpreg.jvp(model, (x.to(path.device),), (u.to(path.device),), engine=engine)
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-9, atol=1e-11)
     return model
 
 
 @pytest.mark.parametrize("engine", ["eager", "captured"])
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s["name"])
-def test_jvp_on_the_accelerator_path_matches_forward_ad(setting, mode, engine):
-    model = _check_jvp(setting, mode, engine)
+def test_jvp_on_the_accelerator_path_matches_forward_ad(setting, mode, engine, path):
+    model = _check_jvp(setting, mode, engine, path)
     if engine == "captured":
         programs = [p for p in capture.programs(model).values() if p.gm is not None]
         assert programs and all(p.replays for p in programs)
@@ -120,21 +157,21 @@ def test_jvp_on_the_accelerator_path_matches_forward_ad(setting, mode, engine):
 
 @pytest.mark.parametrize("engine", ["eager", "captured"])
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s["name"] != "mlp"], ids=lambda s: s["name"])
-def test_regularized_step_gradients_on_the_accelerator_path_equal_the_host_paths(setting, engine):
+def test_regularized_step_gradients_on_the_accelerator_path_equal_the_host_paths(setting, engine, path):
     """A train-mode step (task loss, Jacobian and parameter-sensitivity penalties) from the same seed on each path:
     the same gradients and running statistics. BatchNorm's tangent then takes the backward with fewer kernels."""
     results = []
-    for path in (False, True):
-        model = _model(setting, "train")
-        x = torch.randn(setting["shape"], dtype=D, generator=torch.Generator().manual_seed(1))
-        with accelerator_path() if path else warnings.catch_warnings():
+    for device, taken in (("cpu", contextlib.nullcontext), (path.device, path.taken)):
+        model = _model(setting, "train").to(device)
+        x = torch.randn(setting["shape"], dtype=D, generator=torch.Generator().manual_seed(1)).to(device)
+        with taken():
             for _ in range(2):  # the capture, then a replay
-                torch.manual_seed(0)
                 model.zero_grad()
-                penalty = Stack([JacobianFrobenius(seed=0), ParameterSensitivity(params=("*weight*",), seed=1)])
+                penalty = Stack([Jacobian(seed=0), Sensitivity(params=("*weight*",), seed=1)])
                 out, pen = regularized_forward(model, x, penalty, engine=engine)
                 (out.square().mean() + pen).backward()
-        results.append(({n: p.grad for n, p in model.named_parameters()}, copy.deepcopy(model.state_dict())))
+        results.append(({n: p.grad.cpu() for n, p in model.named_parameters()},
+                        {n: v.cpu() for n, v in model.state_dict().items()}))
     (host_grads, host_state), (acc_grads, acc_state) = results
     scale = max(float(g.abs().max()) for g in host_grads.values())
     for name, g in host_grads.items():
@@ -163,28 +200,30 @@ def test_the_host_and_the_accelerator_path_record_programs_of_their_own():
     assert "jvpreg.batch_norm_blocks.default" in targets(host) - targets(acc)
 
 
-def test_an_infinite_direction_on_the_accelerator_path_replays_the_program_of_finite_ones():
+def test_an_infinite_direction_on_the_accelerator_path_replays_the_program_of_finite_ones(path):
     """The host reads whether an input holds an infinity; the accelerator's program, recorded from finite inputs,
-    must already allow for one (the same program replays, with the eager engine's numbers)."""
+    must already allow for one (the same program replays, with the host's eager engine's numbers)."""
     model = _model(SETTINGS[1], "eval")
     x = torch.randn(3, 3, 8, 8, dtype=D)
     u = torch.randn_like(x)
-    with accelerator_path():
-        jvpreg.jvp(model, (x,), (u,), engine="captured")
+    dev = copy.deepcopy(model).to(path.device)
+    with path.taken():
+        jvpreg.jvp(dev, (x.to(path.device),), (u.to(path.device),), engine="captured")
     u[1, 0, 2, 2] = float("inf")
     _, want = jvpreg.jvp(model, (x,), (u,), engine="eager")
-    with accelerator_path():
-        _, got = jvpreg.jvp(model, (x,), (u,), engine="captured")
+    with path.taken():
+        _, got = jvpreg.jvp(dev, (x.to(path.device),), (u.to(path.device),), engine="captured")
+    got = got.cpu()
     torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-12, atol=1e-14)
     assert torch.isfinite(got[0]).all() and not torch.isfinite(got[1]).all()
-    (prog,) = capture.programs(model).values()
+    (prog,) = capture.programs(dev).values()
     assert prog.replays == 2
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s["name"] in ("cnn-batchnorm", "vit")],
                          ids=lambda s: s["name"])
-def test_compiled_engine_on_the_accelerator_path_matches_forward_ad(setting):
+def test_compiled_engine_on_the_accelerator_path_matches_forward_ad(setting, path):
     """``engine="compiled"`` there leaves the decomposed rules to Inductor (jvpreg's operators are the CPU's)."""
     torch._dynamo.reset()
-    _check_jvp(setting, "train", "compiled")
+    _check_jvp(setting, "train", "compiled", path)
