@@ -9,6 +9,7 @@ bfloat16 tolerance, and the plain forward under the same policy (the primal bloc
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
+from jvpreg.clone.device_paths import accelerator_path
 
 _FLOAT32_OPS = ("softmax.int", "log_softmax.int", "layer_norm", "group_norm", "exp", "log", "rsqrt", "softplus",
                 "logsumexp", "cumsum", "pow.Tensor_Scalar", "sum", "sum.dim_IntList")  # CUDA's autocast: float32
@@ -91,14 +93,18 @@ MODELS = {
 }
 
 
+@pytest.mark.parametrize("path", ["host", "accelerator"])
 @pytest.mark.parametrize("engine", ["eager", "captured"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_bf16_autocast_jvp_and_its_gradients_under_cuda_policy(name, engine, cuda_autocast_policy):
+def test_bf16_autocast_jvp_and_its_gradients_under_cuda_policy(name, engine, path, cuda_autocast_policy):
+    """On the host's path and on the accelerator's (:func:`jvpreg.clone.device_paths.accelerator_path`), which a GPU
+    takes with this policy."""
     make, shape = MODELS[name]
     torch.manual_seed(0)
     model = make().train()  # (train mode: TransformerEncoderLayer's fused fast path is for inference only)
     x, u = torch.randn(shape), torch.randn(shape)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    taken = accelerator_path() if path == "accelerator" else contextlib.nullcontext()
+    with torch.autocast("cpu", dtype=torch.bfloat16), taken:
         plain = model(x)
         for _ in range(2):  # the captured engine records on its first call and replays on its second
             out, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
