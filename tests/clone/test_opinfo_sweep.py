@@ -19,6 +19,7 @@ pytest.importorskip("expecttest")  # torch.testing._internal needs it
 
 from conftest import sinh_rule_with_a_detached_slope  # noqa: E402
 from jvpreg.clone import register_handler, sweep  # noqa: E402
+from jvpreg.clone.device_paths import accelerator_path  # noqa: E402
 from jvpreg.clone.registry import HANDLERS  # noqa: E402
 
 OPS = sweep.sweep_ops()
@@ -103,6 +104,25 @@ QUICK_CAPTURED_SAMPLES = 20
 @pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in QUICK_CAPTURED else
                                              pytest.mark.slow) for o in OPS])
 def test_opinfo_captured_exact_or_clear_error(op, request):
+    _check_captured(op, request)
+
+
+# The accelerator's path (``jvpreg.clone.device_paths.accelerator_path``: scales chosen by kernels, the non-finite
+# fixes kept where an infinity can reach, the device's BatchNorm forms), taken on the CPU. The quick run: the batch
+# norms, whose rules branch on the device; with --slow, the rule families of QUICK and every norm (1-2 minutes).
+ACCELERATOR_QUICK = {"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
+                     "nn.functional.batch_norm", "nn.functional.instance_norm"}
+ACCELERATOR = QUICK_CAPTURED | {_key(o) for o in OPS if "norm" in _key(o)}
+
+
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in ACCELERATOR_QUICK else
+                                             pytest.mark.slow) for o in OPS if _key(o) in ACCELERATOR])
+def test_opinfo_accelerator_path_exact_or_clear_error(op, request):
+    with accelerator_path():
+        _check_captured(op, request)
+
+
+def _check_captured(op, request):
     key = _key(op)
     n = sweep.N_SAMPLES if request.config.getoption("--slow") else QUICK_CAPTURED_SAMPLES
     results = sweep.run_op(op, n_samples=n, engine="captured")
