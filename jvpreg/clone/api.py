@@ -10,7 +10,9 @@ is dominated by a bias (Inception-v3's logits: |y_0| / |J u| ~ 3e3, 1e-4 error w
 network barely depends on its input (timm's ConvMixer-768/32 at random init: |y_0| / |J u| ~ 1e11, float32 error
 5.4e-2 with R = 2^20, 3.4e-4 with R = 2^40, where torch.func.jvp's own float32 error is 3.3e-4). Block values stay far
 from float32's range (2^40 rms(x) ~ 1e12 rms(x) against 3e38), and a penalty's gradients through the blocks are
-divided by ``s_j`` only to be multiplied back by values of size ``s_j``.
+divided by ``s_j`` only to be multiplied back by values of size ``s_j``. Where ``x`` holds entries so close to the
+end of its dtype's range that a block overflows (no scale gives the difference resolution there), the host raises
+:class:`~jvpreg.clone.dispatch.UnsupportedOpError` rather than return an infinite tangent (:func:`_check_blocks_fit`).
 Nothing but rounding depends on ``R``: block values only pass through affine ops, and every
 nonlinearity reads its state from the primal block. Powers of two make the
 scaling itself exact. The scale is one number per tangent, not per sample: ops that mix samples
@@ -29,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import capture, functions
 from .device_paths import on_host
-from .dispatch import check_not_custom_output
+from .dispatch import UnsupportedOpError, check_not_custom_output
 from .tensor import _SWAPPED_CLONES, CloneTensor, autocast_enabled, block_delta, capturing, is_clone, wrap
 
 _R_DEFAULT = 2.0 ** 40
@@ -79,6 +81,7 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, s
         nx = (xs[0] if len(xs) == 1 else math.hypot(*xs)) or 1.0  # hypot: no square to underflow or overflow
         top = _max_exponent(ref.dtype)
         s = tuple(_power_of_two(ratio, nx, n[0] if len(n) == 1 else math.hypot(*n), top) for n in us)
+        _check_blocks_fit(pairs, xs, us, s)
         if not shared:
             return torch.tensor(s, dtype=torch.float64), finite
         t = _SHARED_SCALES.get(s)
@@ -89,6 +92,31 @@ def _choose_scales(pairs: Sequence[tuple], k: int, ratio: float | None = None, s
         return t, finite
     ratio = _ratio(ref.dtype, ref.device.type) if ratio is None else ratio
     return device_scales(pairs, k, ratio), None
+
+
+def _check_blocks_fit(pairs: Sequence[tuple], xs: Sequence[float], us: Sequence[Sequence[float]],
+                      s: Sequence[float]) -> None:
+    """Raise :class:`UnsupportedOpError` where a block ``x + s_j u_j`` overflows although ``x`` and ``u_j`` are finite
+    (entries of ``x`` near the end of the dtype's range: the difference form has no resolution there, and an infinite
+    block would give an infinite tangent where the JVP is finite). Free in the usual case: ``|x| + s_j |u_j|`` is
+    bounded by the norms ``xs``, ``us`` (``s_j ||u_j|| ~ 2^40 ||x||``); checked entry by entry only where that bound
+    passes half the range. On an accelerator nothing is read: such a block gives an infinite tangent there."""
+    for i, (x, u) in enumerate(pairs):
+        if not (x.is_floating_point() or x.is_complex()):
+            continue
+        big = torch.finfo(x.dtype).max
+        if all(xs[i] + sj * n[i] < big / 2 for sj, n in zip(s, us)):
+            continue
+        x0, u0 = x.detach(), u.detach()
+        sv = torch.tensor(s, dtype=torch.float64).to(x0.dtype).reshape(-1, *([1] * x0.dim()))
+        over = ~torch.isfinite(x0.unsqueeze(0) + sv * u0) & torch.isfinite(x0).unsqueeze(0) & torch.isfinite(u0)
+        if bool(over.any()):
+            largest = float(x0.abs().nan_to_num(0.0, 0.0, 0.0).amax())
+            raise UnsupportedOpError(
+                f"jvpreg: the clone batch cannot hold this direction: x + s*u overflows {x0.dtype} where x and u are "
+                f"finite (|x| up to {largest:.3g}, s = 2^{round(math.log2(s[0]))}; the largest {x0.dtype} is "
+                f"{big:.3g}). The difference form has no resolution that close to the end of the range: rescale the "
+                "input (divide it by a power of two), or use torch.func.jvp for this call.")
 
 
 def device_scales(pairs: Sequence[tuple], k: int, ratio: float) -> torch.Tensor:

@@ -323,3 +323,26 @@ def test_a_program_captured_with_frozen_parameters_gives_exact_gradients_once_th
     rt = torch.func.jvp(lambda z: torch.softmax((z @ w.T).masked_fill(mask, -INF), -1), (x,), (u,))[1]
     (rt * c).sum().backward()
     torch.testing.assert_close(model.lin.weight.grad, w.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_entries_at_the_end_of_the_range_give_a_clear_error_not_an_infinite_tangent(dtype, engine):
+    """``x + s u`` overflows where ``x`` holds entries near the dtype's largest value: the difference form has no
+    resolution there (before: an infinite tangent where the JVP is finite). The same entries with a direction that
+    points inward fit, and give the exact JVP; so do large entries short of the range's end."""
+    big = torch.finfo(dtype).max
+    model = nn.Sequential(nn.Identity())
+    f = lambda x: x * 0.5  # noqa: E731
+    x = torch.tensor([1.0, -2.0, big], dtype=dtype)
+    u = torch.tensor([0.5, 1.0, 2.0], dtype=dtype)
+    with pytest.raises(jvpreg.clone.UnsupportedOpError, match=r"x \+ s\*u overflows .* rescale the input"):
+        jvpreg.jvp(f, (x,), (u,), engine=engine)
+    with pytest.raises(jvpreg.clone.UnsupportedOpError, match="overflows"):
+        jvpreg.jvp(model, (x,), (u,), engine=engine)
+    inward = -u
+    _, t = jvpreg.jvp(f, (x,), (inward,), engine=engine)
+    torch.testing.assert_close(t, inward * 0.5)
+    large = torch.tensor([1.0, -2.0, big / 2 ** 50 if dtype != torch.float16 else 1e3], dtype=dtype)
+    _, t = jvpreg.jvp(f, (large,), (u,), engine=engine)
+    torch.testing.assert_close(t, u * 0.5)

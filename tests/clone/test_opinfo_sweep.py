@@ -10,7 +10,6 @@ may pass, and an op whose cause this torch lacks (``XFAIL_CAUSE``: a sample or a
 """
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -27,8 +26,6 @@ OPS = sweep.sweep_ops()
 # op name -> reason. Keep it short; every entry is a known engine limitation or bug.
 XFAIL: dict = {
     # found when the sweep took every sample (not the first 4) and checked gradients; not fixed yet
-    "hypot": "entries at the float64 maximum: x + s u rounds back to x or overflows; the difference form has no "
-             "resolution there (an infinite tangent where torch.func gives a finite one)",
     "nn.functional.max_unpool2d": "flaky: colliding indices; which value lands is unspecified, and engine and torch "
                                   "differ in some runs only",
     "nn.functional.binary_cross_entropy_with_logits": "gradient w.r.t. weight/pos_weight: torch's op has none (a "
@@ -39,13 +36,6 @@ XFAIL: dict = {
                            "fallback inherits (NaN, as through torch's own double-backward JVP; never a finite "
                            "wrong value)",
 }
-
-
-def _has_extreme_sample(op) -> bool:
-    """A sample of ``op`` holds an entry at the float64 maximum or past it (torch 2.15's OpInfo; not 2.11's)."""
-    return any(t.numel() and not bool((t.abs() < 1e300).all())
-               for s in itertools.islice(op.sample_inputs("cpu", torch.float64, requires_grad=False), sweep.N_SAMPLES)
-               for t in (s.input, *s.args) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def _has_pdist_double_backward(op) -> bool:
@@ -60,7 +50,7 @@ def _has_pdist_double_backward(op) -> bool:
 
 
 # op name -> whether this torch has the cause of the XFAIL entry: where it has not, the op may pass
-XFAIL_CAUSE = {"hypot": _has_extreme_sample, "nn.functional.pdist": _has_pdist_double_backward}
+XFAIL_CAUSE = {"nn.functional.pdist": _has_pdist_double_backward}
 
 
 def _failures(results):
@@ -239,7 +229,7 @@ def test_captured_sweep_replays_on_other_values_and_detects_an_unguarded_read(mo
 
 # float32: the ops in XFAIL fail for the same reasons (hypot's entries at the float64 maximum; max_unpool2d's colliding
 # indices, nondeterministic)
-F32_XFAIL = {"hypot", "nn.functional.max_unpool2d"}
+F32_XFAIL = {"nn.functional.max_unpool2d"}
 
 
 @pytest.mark.slow
