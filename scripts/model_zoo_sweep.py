@@ -1,7 +1,9 @@
 """jvpreg.jvp against torch.func.jvp on timm and Hugging Face architectures: random weights, float64, eval mode.
 
 Writes ``docs/model_zoo.md`` and ``.json``: per model, the relative error ``||t - t_ref|| / ||t_ref||`` of the eager
-and the captured engine, the ops that took the exact fallback, and why a model could not be captured.
+and the captured engine, and of the captured engine on the accelerator's code path
+(:func:`jvpreg.clone.device_paths.accelerator_path`, with a regularized step's gradients against the host path's),
+the ops that took the exact fallback, and why a model could not be captured.
 
 * Input: batch 2 at 64x64 where the architecture takes ``img_size``, else batch 1 at its own input size; Hugging
   Face text models get ``inputs_embeds`` (batch 2, 10 tokens, the second sample's last 3 padded out by the
@@ -20,7 +22,7 @@ and the captured engine, the ops that took the exact fallback, and why a model c
 
 Usage::
 
-    python scripts/model_zoo_sweep.py                       # the default lists below (~25 minutes on 2 CPU cores)
+    python scripts/model_zoo_sweep.py                       # the default lists below (~2 hours on 2 CPU cores)
     python scripts/model_zoo_sweep.py --timm resnet18,convnext_atto --hf llama --out /tmp/zoo
 
 Each model runs in its own subprocess (``--one timm NAME`` prints its JSON), so a crash or a timeout is one row.
