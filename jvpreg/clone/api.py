@@ -114,7 +114,7 @@ def _check_blocks_fit(pairs: Sequence[tuple], xs: Sequence[float], us: Sequence[
             largest = float(x0.abs().nan_to_num(0.0, 0.0, 0.0).amax())
             raise UnsupportedOpError(
                 f"jvpreg: the clone batch cannot hold this direction: x + s*u overflows {x0.dtype} where x and u are "
-                f"finite (|x| up to {largest:.3g}, s = 2^{round(math.log2(s[0]))}; the largest {x0.dtype} is "
+                f"finite (|x| up to {largest:.3g}, s = 2^{round(math.log2(max(s)))}; the largest {x0.dtype} is "
                 f"{big:.3g}). The difference form has no resolution that close to the end of the range: rescale the "
                 "input (divide it by a power of two), or use torch.func.jvp for this call.")
 

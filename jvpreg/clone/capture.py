@@ -46,9 +46,9 @@ its children (a swapped submodule recaptures), except on torch.nn leaves whose f
 (``Linear``, ``ReLU``, ...: a third to a half of the guard's cost); plain tensor attributes of the modules
 that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode, autocast
 state, the default dtype (factory ops such as ``torch.full`` without a dtype follow it), the fallback mode,
-the device path (:mod:`jvpreg.clone.device_paths`) and the engine (``"compiled"`` records its own program). Forward hooks are rescanned whenever torch's
-hook-handle counter moved: a hook registered after a capture sends the module to eager clone mode. A changed
-guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
+the device path (:mod:`jvpreg.clone.device_paths`) and the engine (``"compiled"`` records its own program).
+Forward hooks are rescanned whenever torch's hook-handle counter moved: a hook registered after a capture sends
+the module to eager clone mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
 
 Measured cost of the guard on a cold cache (a replay follows other work, as in training): about 25 µs for
 a 20-layer MLP, 200 µs for MobileNetV3-small (209 modules, 278 tensors); the guard touches every module
