@@ -10,7 +10,6 @@ may pass, and an op whose cause this torch lacks (``XFAIL_CAUSE``: a sample or a
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -227,8 +226,7 @@ def test_captured_sweep_replays_on_other_values_and_detects_an_unguarded_read(mo
     assert result.kind == "mismatch" and "replay on other values" in result.detail, result
 
 
-# float32: the ops in XFAIL fail for the same reasons (hypot's entries at the float64 maximum; max_unpool2d's colliding
-# indices, nondeterministic)
+# float32: max_unpool2d fails for the reason it is in XFAIL (colliding indices, nondeterministic)
 F32_XFAIL = {"nn.functional.max_unpool2d"}
 
 
