@@ -59,6 +59,8 @@ called through ``torch.utils.checkpoint`` (:mod:`jvpreg.clone.checkpointed_regio
 checkpointed forward of the doubled batch saves.
 
 Limits (each falls back to eager clone mode with a warning, never a wrong answer):
+* inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``), whose wrapped tensors a program cannot hold,
+  every call runs eagerly, also where a program of its signature exists (``engine="auto"`` without a warning);
 * Python reads of tensor values that cannot be re-checked (above), or that differ on every call; custom
   ``autograd.Function`` s on plain tensors under
   autograd (their backward would not be replayed); modules with forward hooks other than
@@ -378,6 +380,8 @@ def _foreign_hooks(root: nn.Module, mods: List[nn.Module]) -> str:
 
 #: why a module that holds FSDP units is not captured whole (each FSDP2 unit's body is: :mod:`sharded_units`)
 SHARDED = "the module is sharded by FSDP (its all-gathers run in FSDP's hooks)"
+IN_TRANSFORM = ("it runs inside a torch.func transform (grad, vjp, jacrev): a program holds plain tensors, not the "
+                "transform's wrapped ones")
 
 
 def _unsupported(module: nn.Module, rec: _Record, hooks_outside: bool = False) -> str:
@@ -860,6 +864,10 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
 
 def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callable, fn_key: Any,
           finite: Optional[bool] = None, hooks_outside: bool = False) -> Any:
+    if engine != "eager" and torch._C._functorch.peek_interpreter_stack() is not None:
+        if engine != "auto":  # asked for a program; "auto" promised none
+            _warn_eager(module, IN_TRANSFORM)
+        engine = "eager"
     if engine == "eager":
         with functions.active(), uncompiled(module):
             return fn(*args, **kwargs)

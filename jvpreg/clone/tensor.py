@@ -219,6 +219,14 @@ def _claim(out: CloneTensor, phys: torch.Tensor) -> None:
         out._jvp_owns = True
 
 
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storage; 0 for a tensor without one (a ``torch.func`` transform's wrapper)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):
+        return 0
+
+
 def covers(x: torch.Tensor, base: torch.Tensor) -> bool:
     """``x`` aliases every element of ``base``, each once, in order: the same layout, or both contiguous from the
     same start (a batch a rule computed in another shape and reshaped). A view without storage (under a

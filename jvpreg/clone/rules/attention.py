@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..dispatch import without_torch_function_guard
 from ..registry import register_handler, register_rule
 from .. import kernels
-from ..tensor import delta_blocks, is_clone, kept_primal, primal_block, raw, varies, wrap
+from ..tensor import delta_blocks, is_clone, kept_primal, primal_block, raw, storage_bytes, varies, wrap
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -41,7 +41,7 @@ def _repeat_kv(t, n_rep):
 def _owned(t):
     """``t``, or under autograd a copy of it when it is a view into a larger tensor (the value blocks of a packed
     q/k/v projection): what a product saves for backward then keeps only these blocks alive."""
-    if torch.is_grad_enabled() and t.requires_grad and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+    if torch.is_grad_enabled() and t.requires_grad and storage_bytes(t) > t.numel() * t.element_size():
         return t.clone(memory_format=torch.contiguous_format)
     return t
 
