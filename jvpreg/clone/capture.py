@@ -59,8 +59,8 @@ called through ``torch.utils.checkpoint`` (:mod:`jvpreg.clone.checkpointed_regio
 checkpointed forward of the doubled batch saves.
 
 Limits (each falls back to eager clone mode with a warning, never a wrong answer):
-* inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``), whose wrapped tensors a program cannot hold,
-  every call runs eagerly, also where a program of its signature exists (``engine="auto"`` without a warning);
+* inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``jvp``) or a forward-mode AD dual level, whose
+  wrapped or dual tensors a program cannot hold, every call runs eagerly, also where a program of its signature exists (``engine="auto"`` without a warning);
 * Python reads of tensor values that cannot be re-checked (above), or that differ on every call; custom
   ``autograd.Function`` s on plain tensors under
   autograd (their backward would not be replayed); modules with forward hooks other than
@@ -109,7 +109,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpointed_regions, compiled_code, device_paths, functions, sharded_units
+from . import checkpointed_regions, compiled_code, device_paths, functions, kernels, sharded_units
 from . import tensor as _tensor
 from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
@@ -380,8 +380,8 @@ def _foreign_hooks(root: nn.Module, mods: List[nn.Module]) -> str:
 
 #: why a module that holds FSDP units is not captured whole (each FSDP2 unit's body is: :mod:`sharded_units`)
 SHARDED = "the module is sharded by FSDP (its all-gathers run in FSDP's hooks)"
-IN_TRANSFORM = ("it runs inside a torch.func transform (grad, vjp, jacrev): a program holds plain tensors, not the "
-                "transform's wrapped ones")
+IN_TRANSFORM = ("it runs inside a torch.func transform (grad, vjp, jacrev, jvp) or forward-mode AD: a program "
+                "holds plain tensors, not wrapped or dual ones")
 
 
 def _unsupported(module: nn.Module, rec: _Record, hooks_outside: bool = False) -> str:
@@ -864,7 +864,7 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
 
 def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callable, fn_key: Any,
           finite: Optional[bool] = None, hooks_outside: bool = False) -> Any:
-    if engine != "eager" and torch._C._functorch.peek_interpreter_stack() is not None:
+    if engine != "eager" and kernels.inside_transform():
         if engine != "auto":  # asked for a program; "auto" promised none
             _warn_eager(module, IN_TRANSFORM)
         engine = "eager"

@@ -47,6 +47,7 @@ import itertools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.autograd import forward_ad
 
 from .device_paths import on_host
 
@@ -97,9 +98,17 @@ def _register_autograd(op: Any, backward: Callable, setup_context: Callable) -> 
     DIRECT[getattr(torch.ops.jvpreg, name).default] = call
 
 
+def inside_transform() -> bool:
+    """A ``torch.func`` transform (grad, vjp, jacrev, jvp) or a forward-mode AD dual level is active: tensors may
+    be wrapped or carry forward tangents, which neither the operators' autograd (no functorch support, no
+    forward-mode formulas) nor a recorded program (plain tensors) can take."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0
+
+
 def applies(t: torch.Tensor) -> bool:
-    """Whether a rule may call these operators on ``t``: under autograd, outside ``torch.func`` transforms (the
-    operators' autograd has no functorch support), on a plain or clone tensor (not a DTensor: no sharding rule).
+    """Whether a rule may call these operators on ``t``: under autograd, outside ``torch.func`` transforms and
+    forward-mode AD's dual levels (the operators' autograd has neither functorch support nor forward-mode formulas),
+    on a plain or clone tensor (not a DTensor: no sharding rule).
 
     In programs for ``engine="compiled"`` on the CPU too, where Inductor calls them as opaque kernels: its C++
     code stores a bool mask 10-20x slower than ATen on this (AVX-512) CPU (relu(h) and h <= 0 of 128x200: 215 µs
@@ -110,8 +119,7 @@ def applies(t: torch.Tensor) -> bool:
     from .tensor import CloneTensor, compiling
 
     return (torch.is_grad_enabled() and t.requires_grad and type(t) in (torch.Tensor, CloneTensor)
-            and torch._C._functorch.peek_interpreter_stack() is None
-            and (on_host(t) or not compiling()))
+            and not inside_transform() and (on_host(t) or not compiling()))
 
 
 @_operator("relu_blocks")

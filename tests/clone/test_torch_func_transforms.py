@@ -1,6 +1,8 @@
-"""``jvpreg.jvp`` inside ``torch.func`` transforms (grad, vjp, jacrev): exact, whichever engine is asked for.
+"""``jvpreg.jvp`` inside ``torch.func`` transforms (grad, vjp, jacrev, jvp) and forward-mode AD: exact, whichever
+engine is asked for.
 
-A transform wraps its tensors, which a recorded program cannot hold: inside one, every engine runs the clone forward
+A transform wraps its tensors (forward AD makes dual ones), which a recorded program cannot hold, and jvpreg's
+operators have neither functorch support nor forward-mode formulas: inside one, every engine runs the clone forward
 eagerly (``engine="captured"``/``"compiled"`` say so by a warning; ``"auto"`` promised no program), also when a
 program of the same call signature was recorded outside before. The references: ``torch.func`` of ``torch.func.jvp``
 in float64 (forward AD inside reverse mode; math attention; LayerNorm written in primitive ops, since torch's own
@@ -170,7 +172,7 @@ def test_layer_norm_second_order_agrees_with_central_differences():
 
 
 def test_jvp_params_inside_torch_func_grad():
-    """``jvpreg.jvp_params`` (a direction in a layer's weight) differentiated w.r.t. the input by ``torch.func.grad``."""
+    """``jvpreg.jvp_params`` (a direction in a layer's weight) differentiated w.r.t. the input by torch.func.grad."""
     model, x, _ = _model("mlp-tanh")
     w = torch.randn_like(model[0].weight)
     got = torch.func.grad(lambda a: jvpreg.jvp_params(model, (a,), {"0.weight": w})[1].pow(2).sum())(x)
@@ -217,3 +219,37 @@ def test_train_mode_batchnorm_with_its_buffers_passed_in():
           - exact({k: p - h * v[k] for k, p in params.items()})) / (2 * h)
     directional = sum((got[k] * v[k]).sum() for k in params)
     torch.testing.assert_close(directional, fd, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("engine", ["eager", "auto", "captured"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_directional_derivative_of_the_jvp_by_forward_mode(name, engine):
+    """``d/dt J(x + t v) u`` by ``torch.func.jvp`` over ``jvpreg.jvp`` and by forward-mode AD's dual tensors equals
+    torch.func's nested JVP (LayerNorm in primitive ops), also where a program was recorded outside first."""
+    model, x, u = _model(name)
+    v = torch.randn_like(x)
+    ref = _reference(model)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = torch.func.jvp(lambda a: torch.func.jvp(ref, (a,), (u,))[1], (x,), (v,))[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JVPCaptureWarning)
+        for _ in range(2):
+            jvpreg.jvp(model, (x,), (u,), engine=engine)
+        got = torch.func.jvp(lambda a: jvpreg.jvp(model, (a,), (u,), engine=engine)[1], (x,), (v,))[1]
+        with fwAD.dual_level():
+            dual = fwAD.unpack_dual(jvpreg.jvp(model, (fwAD.make_dual(x, v),), (u,), engine=engine)[1]).tangent
+    for g in (got, dual):
+        torch.testing.assert_close(g, want, rtol=1e-9, atol=1e-12 * float(want.abs().max()))
+
+
+def test_train_mode_batchnorm_under_forward_mode_ad():
+    """Train-mode BatchNorm (jvpreg's operator on the CPU, which has no forward-mode formula) with a dual input:
+    the derivative of the JVP along ``v`` equals central differences of jvpreg's JVP."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.SiLU(), nn.Flatten(), nn.Linear(64, 3)).to(D)
+    x, u, v = (torch.randn(3, 2, 6, 6, dtype=D) for _ in range(3))
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(jvpreg.jvp(model, (fwAD.make_dual(x, v),), (u,))[1]).tangent
+    h = 1e-5
+    fd = (jvpreg.jvp(model, (x + h * v,), (u,))[1] - jvpreg.jvp(model, (x - h * v,), (u,))[1]) / (2 * h)
+    torch.testing.assert_close(got, fd, rtol=1e-6, atol=1e-8 * float(fd.abs().max()))

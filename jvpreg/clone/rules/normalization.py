@@ -144,15 +144,15 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
 def _blocks_in_one_output(x, weight, bias) -> bool:
     """Train-mode BatchNorm through :func:`jvpreg.clone.kernels.batch_norm_blocks` (every block written into one
     output, three blocks allocated per call where the composite rule allocates seven): a clone input of
-    float32/64 on the CPU with constant affine parameters, outside ``torch.func`` transforms and programs for
-    ``engine="compiled"`` (there Inductor fuses the composite rule). Other devices keep the composite rule
+    float32/64 on the CPU with constant affine parameters, outside ``torch.func`` transforms, forward-mode AD
+    (:func:`jvpreg.clone.kernels.inside_transform`) and programs for ``engine="compiled"`` (there Inductor fuses the
+    composite rule). Other devices keep the composite rule
     (cuDNN's kernel for the primal block; the operator is not measured on a GPU)."""
     if not is_clone(x) or varies(weight) or varies(bias):
         return False
     z, w0 = raw(x), _primal(weight)
     return (type(z) is torch.Tensor and on_host(z) and z.dtype in (torch.float32, torch.float64)
-            and (w0 is None or w0.dtype == z.dtype) and not compiling()
-            and torch._C._functorch.peek_interpreter_stack() is None)
+            and (w0 is None or w0.dtype == z.dtype) and not compiling() and not kernels.inside_transform())
 
 
 def _batch_norm_blocks(x, w0, b0, running_mean, running_var, momentum, eps):
