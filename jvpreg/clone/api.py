@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import capture, functions
+from .compiled_code import between_graphs
 from .device_paths import on_host
 from .dispatch import UnsupportedOpError, check_not_custom_output
 from .tensor import _SWAPPED_CLONES, CloneTensor, autocast_enabled, block_delta, capturing, is_clone, wrap
@@ -240,6 +241,7 @@ def clone_of(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, *, state: bool =
     return wrap(torch.cat([x.unsqueeze(0), x.unsqueeze(0) + sv * u]), state=state)
 
 
+@between_graphs
 def pack(primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor], *, scale: Any = "auto",
          extra_pairs: Sequence[tuple] = ()) -> tuple:
     """Build clone batches for ``primals`` carrying ``tangents`` (each of shape ``(k, *primal.shape)``).
@@ -254,6 +256,7 @@ def pack(primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor], *, s
     return tuple(clone_of(x, u, s) for x, u in zip(primals, tangents)), s
 
 
+@between_graphs
 def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
     """Split a clone forward's output into ``(primal_output, tangent_output)`` pytrees.
 
@@ -339,6 +342,7 @@ def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
     return t.shape[0] if batched else 1
 
 
+@between_graphs
 def call(func: Callable, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None, *, engine: str = "auto") -> Any:
     """``func(*args, **kwargs)`` where the arguments hold clone batches (from :func:`pack`), run by ``engine``.
 
@@ -356,6 +360,7 @@ def call(func: Callable, args: Sequence[Any], kwargs: Mapping[str, Any] | None =
         return target(*args, **kwargs)
 
 
+@between_graphs
 def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor], *, has_aux: bool = False,
         batched_tangents: bool = False, scale: Any = "auto", engine: str = "auto"):
     """Jacobian-vector product of ``func`` at ``primals`` in clone mode — a drop-in for ``torch.func.jvp``.
@@ -544,6 +549,7 @@ def _run_with_plain_prefix(module: nn.Module, primals: tuple, kwargs: dict, k: i
     return call(module, zero, kwargs, engine=engine)
 
 
+@between_graphs
 def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangents: Mapping[str, torch.Tensor],
                tangents: Sequence[torch.Tensor] | None = None, *, kwargs: Mapping[str, Any] | None = None,
                batched_tangents: bool = False, has_aux: bool = False, scale: Any = "auto", engine: str = "auto"):

@@ -8,6 +8,10 @@ clone rules, as :func:`jvpreg.clone.capture.uncompiled` does for compiled module
 meets a compiled function traces its original code (``torch._dynamo.config.error_on_nested_fx_trace`` off while it
 records: :func:`traced_through`). The compiled engine's own program
 runs with the stance the caller had (:func:`caller_stance`), so it stays compiled.
+
+The other way round, jvpreg called from a compiled function (a whole training step under ``torch.compile``): its
+public entry points are :func:`between_graphs`, so Dynamo breaks its graph at the call and the engine runs as plain
+Python between the graphs.
 """
 from __future__ import annotations
 
@@ -24,6 +28,18 @@ try:  # torch.compiler.set_stance's own setter (2.6+), with the stance built onc
 except ImportError:  # pragma: no cover - torch without stances: compiled functions are left as they are
     _set_stance = None
 _PRIOR: List[object] = []  # per outermost clone forward: the caller's stance (None: left as it was)
+
+
+BETWEEN_GRAPHS = ("jvpreg's engine runs between torch.compile graphs (Dynamo cannot trace clone batches); call it "
+                  "outside fullgraph=True regions")
+
+
+def between_graphs(fn):
+    """``fn`` made opaque to Dynamo (``torch.compiler.disable``): a compiled caller runs it between its graphs."""
+    try:
+        return torch.compiler.disable(fn, reason=BETWEEN_GRAPHS)
+    except TypeError:  # pragma: no cover - torch before reason= (2.1-2.5)
+        return torch.compiler.disable(fn)
 
 
 def force_eager() -> None:

@@ -43,6 +43,11 @@ class CloneTensor(torch.Tensor):
             if func in _METADATA:  # the physical batch's, as autograd saw it inside a rule
                 with DisableTorchFunctionSubclass():
                     return func(*args, **(kwargs or {}))
+            if torch._guards.TracingContext.try_get() is not None:  # Dynamo wrapping a clone batch as a graph input
+                raise RuntimeError(
+                    "jvpreg clone mode: a clone batch (from jvpreg.clone.pack or call) crossed into a torch.compile-d "
+                    "graph, which cannot hold one. Keep pack, call and unpack together in one function decorated "
+                    "with @torch.compiler.disable, or use jvpreg.jvp / the penalties, which run between the graphs.")
             raise RuntimeError(
                 f"jvpreg clone mode: {getattr(func, '__name__', func)} was called on a clone batch outside a clone "
                 "forward. Run the forward with jvpreg.clone.call(model, clones) (or jvpreg.jvp), which also "

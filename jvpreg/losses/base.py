@@ -42,6 +42,7 @@ from torch import nn
 from ..clone import api as _api
 from ..clone import functions as _functions
 from ..clone import capture as _capture
+from ..clone.compiled_code import between_graphs
 from . import sharded as _sharded
 
 __all__ = [
@@ -215,6 +216,7 @@ class JVPPenalty(nn.Module):
         """Scalar penalty from ``jvp`` of shape ``(k, m, *out.shape[1:])``."""
         raise NotImplementedError(f"{type(self).__name__} must implement penalty(jvp, context).")
 
+    @between_graphs
     def forward(self, model: nn.Module, x: torch.Tensor, target: Any = None, *, batch_fraction: float = 1.0,
                 args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None, engine: str = "auto"):
         """``(f(x), penalty)`` from one clone forward of ``model(x, *args, **kwargs)`` (``engine``: see
@@ -577,6 +579,7 @@ class Stack(nn.Module):
         """``[(penalty, weight, batch_fraction), ...]``."""
         return list(zip(self.members, self._weights, self._fractions))
 
+    @between_graphs
     def forward(self, model: nn.Module, x: torch.Tensor, target: Any = None, *, args: Sequence[Any] = (),
                 kwargs: Optional[Mapping[str, Any]] = None, return_parts: bool = False, engine: str = "auto"):
         """``(f(x), sum_i w_i penalty_i)`` (plus ``{name: penalty_i}`` with ``return_parts=True``)."""
@@ -608,6 +611,7 @@ def _run(model, x, terms, target, args, kwargs, engine="auto"):
     return out, plan.total(values), parts
 
 
+@between_graphs
 def regularized_forward(model: nn.Module, x: torch.Tensor, penalties: Any, *, target: Any = None,
                         batch_fraction: float = 1.0, args: Sequence[Any] = (),
                         kwargs: Optional[Mapping[str, Any]] = None, engine: str = "auto") -> Tuple[Any, torch.Tensor]:
