@@ -339,6 +339,12 @@ def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
     if got != expected:
         hint = " (batched_tangents=True expects a leading k dim)" if batched else ""
         raise ValueError(f"{where}: tangents[{i}] has shape {tuple(t.shape)}, expected {expected}{hint}.")
+    if t.dtype != p.dtype or t.device != p.device:
+        raise ValueError(f"{where}: tangents[{i}] is {t.dtype} on {t.device}, primals[{i}] {p.dtype} on {p.device}: "
+                         "clone mode runs each tangent in its primal's batch, so they must share dtype and device "
+                         f"(pass tangents[{i}].to(primals[{i}])).")
+    if batched and t.shape[0] == 0:
+        raise ValueError(f"{where}: tangents[{i}] holds no direction (k = 0); batched_tangents=True needs k >= 1.")
     return t.shape[0] if batched else 1
 
 
@@ -598,6 +604,12 @@ def jvp_params(module: nn.Module, primals: Sequence[torch.Tensor], param_tangent
         if not isinstance(u, torch.Tensor) or got != tuple(p.shape):
             raise ValueError(f"{where}: direction for {name!r} has shape {tuple(getattr(u, 'shape', ()))}, "
                              f"expected {tuple(p.shape)}" + (" with a leading k dim" if batched_tangents else "") + ".")
+        if u.dtype != p.dtype or u.device != p.device:
+            raise ValueError(f"{where}: direction for {name!r} is {u.dtype} on {u.device}, the parameter {p.dtype} on "
+                             f"{p.device}: they must share dtype and device (pass it .to(the parameter)).")
+        if batched_tangents and u.shape[0] == 0:
+            raise ValueError(f"{where}: direction for {name!r} holds no direction (k = 0); batched_tangents=True "
+                             "needs k >= 1.")
         ks.add(u.shape[0] if batched_tangents else 1)
     if tangents is not None:
         if len(tangents) != len(primals):

@@ -336,6 +336,16 @@ JVP_ERRORS = [
      "args": (torch.add, (X, X), (torch.zeros(2, 3, 4, dtype=D), torch.zeros(3, 3, 4, dtype=D))),
      "kwargs": {"batched_tangents": True}, "error": ValueError,
      "match": WHERE + r"every tangent must carry the same number of directions k, got \[2, 3\]"},
+    # the tangent rides in its primal's batch: torch.func.jvp accepts a float64 tangent of a float32 primal, a cat of
+    # the blocks would promote the batch to float64 (a float32 model then fails inside with a dtype error)
+    {"id": "tangent-dtype", "args": (torch.sin, (X.float(),), (X,)), "kwargs": {}, "error": ValueError,
+     "match": WHERE + r"tangents\[0\] is torch\.float64 on cpu, primals\[0\] torch\.float32 on cpu: .* must share "
+                      r"dtype and device \(pass tangents\[0\]\.to\(primals\[0\]\)\)"},
+    {"id": "tangent-device", "args": (torch.sin, (X,), (X.to("meta"),)), "kwargs": {}, "error": ValueError,
+     "match": WHERE + r"tangents\[0\] is torch\.float64 on meta, primals\[0\] torch\.float64 on cpu"},
+    {"id": "batched-no-direction", "args": (torch.sin, (X,), (torch.zeros(0, 3, 4, dtype=D),)),
+     "kwargs": {"batched_tangents": True}, "error": ValueError,
+     "match": WHERE + r"tangents\[0\] holds no direction \(k = 0\); batched_tangents=True needs k >= 1"},
     {"id": "int-primal", "args": (torch.sin, (torch.zeros(3, dtype=torch.long),), (torch.zeros(3),)),
      "kwargs": {}, "error": TypeError,
      "match": WHERE + r"primals\[0\] has dtype torch\.int64; JVPs need floating-point primals"},
@@ -648,6 +658,11 @@ def test_jvp_params_other_errors():
         jvpreg.jvp_params(model, x, ok)
     with pytest.raises(ValueError, match=WHERE_P + "expected one tangent per primal, got 2 for 1"):
         jvpreg.jvp_params(model, (x,), ok, (x, x))
+    with pytest.raises(ValueError, match=WHERE_P + r"direction for '0\.weight' is torch\.float32 on cpu, the parameter "
+                                                   r"torch\.float64 on cpu: they must share dtype and device"):
+        jvpreg.jvp_params(model, (x,), {"0.weight": torch.zeros(6, 4)})
+    with pytest.raises(ValueError, match=WHERE_P + r"direction for '0\.weight' holds no direction \(k = 0\)"):
+        jvpreg.jvp_params(model, (x,), {"0.weight": torch.zeros(0, 6, 4, dtype=D)}, batched_tangents=True)
     with pytest.raises(ValueError, match=WHERE_P + r"every direction must carry the same number of tangents k, "
                                                    r"got \[2, 3\]"):
         jvpreg.jvp_params(model, (x,), {"0.weight": torch.zeros(2, 6, 4, dtype=D)}, (torch.zeros(3, 3, 4, dtype=D),),
