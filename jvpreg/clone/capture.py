@@ -305,8 +305,10 @@ class _Record:
     @classmethod
     def of(cls, module: nn.Module) -> "_Record":
         mods = list(module.modules())
-        slots = [(store, name) for m in mods for store in (m._parameters, m._buffers) for name in store]
-        guarded = [m for m in mods if not _stateless_leaf(m)]
+        plain = [m for m in mods if not isinstance(m, torch.jit.ScriptModule)]  # (TorchScript's stores are not
+        # dicts; a module that holds one runs eagerly: _unsupported)
+        slots = [(store, name) for m in plain for store in (m._parameters, m._buffers) for name in store]
+        guarded = [m for m in plain if not _stateless_leaf(m)]
         dicts = [m._modules for m in guarded]
         return cls([m for m in mods if m is not module], [tuple(d.values()) for d in dicts], slots,
                    child_dicts=dicts, hooks=_foreign_hooks(module, mods),

@@ -87,6 +87,8 @@ def fallback_mode(mode: str):
 
 
 def _how_to_register(func: Callable, name: str) -> str:
+    if isinstance(getattr(func, "hint", None), str):  # a TorchScript call (jvpreg.clone.torchscript)
+        return func.hint
     function_cls = getattr(func, "function_cls", None)
     if function_cls is not None:  # a custom autograd.Function
         return (
@@ -460,7 +462,10 @@ _WRONG_FORWARD_AD = {
 def _forward_ad_is_wrong(func: Callable, args: tuple, kwargs: dict) -> bool:
     """Linearise ``func`` in reverse mode: an op of :data:`_WRONG_FORWARD_AD`, or a custom operator (a
     ``torch.library`` op outside aten): torch gives those no forward-mode formula, and for some (torch's own
-    chunked ``linear_cross_entropy`` operator) ``torch.func.jvp`` returns a zero tangent instead of an error."""
+    chunked ``linear_cross_entropy`` operator) ``torch.func.jvp`` returns a zero tangent instead of an error; and a
+    callable marked ``reverse_mode`` (TorchScript: :mod:`jvpreg.clone.torchscript`)."""
+    if getattr(func, "reverse_mode", False):
+        return True
     if isinstance(func, torch._ops.OpOverload):
         return func.namespace not in ("aten", "prims")
     if isinstance(func, torch._ops.OpOverloadPacket):
