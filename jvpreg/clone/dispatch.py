@@ -133,8 +133,22 @@ def check_not_custom_output(values: Any) -> None:
                     "jvpreg can route it (a registered rule or the exact fallback).")
 
 
+def _check_transform_level(func: Callable) -> None:
+    """Raise where a clone batch reaches an op inside a ``torch.func`` transform entered during the clone forward: it
+    got there by a closure (a transform's arguments are routed: :mod:`jvpreg.clone.nested_transforms`), and functorch
+    would treat its blocks as samples (``vmap(lambda w: tanh(x @ w))(W)``: 10.3 off)."""
+    top = torch._C._functorch.peek_interpreter_stack()
+    if top is not None and top.level() > tensor_module._TRANSFORM_LEVEL[0]:
+        raise UnsupportedOpError(
+            f"jvpreg clone mode: {op_name(func)} ran on a clone batch inside a torch.func transform (vmap, grad, ...) "
+            "that captured it by closure, not as an argument: functorch would treat its blocks as samples (a wrong "
+            "JVP). Pass the tensor as an argument of the transformed function (torch.vmap and torch.func.grad "
+            "calls with clone arguments are linearised exactly), or move the transform out of the forward.")
+
+
 def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
     check_not_custom_output(args)
+    _check_transform_level(func)
     if kwargs and "out" in kwargs:
         if kwargs["out"] is not None:
             raise UnsupportedOpError(

@@ -18,7 +18,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .dispatch import fallback
-from .tensor import _ACTIVE, _CAPTURING, iter_clones
+from .tensor import _ACTIVE, _CAPTURING, _TRANSFORM_LEVEL, iter_clones
 
 FUNCTION_RULES: Dict[type, Callable] = {}
 ALWAYS_ROUTED: set = set()  # Function classes whose rule runs inside a clone forward even without clone arguments
@@ -56,6 +56,8 @@ class _FunctionCall:
 def active() -> Iterator[None]:
     """Scope of a clone forward (reentrant): ``Function.apply`` is routed for clone arguments inside it."""
     if _ACTIVE[0] == 0:
+        top = torch._C._functorch.peek_interpreter_stack()
+        _TRANSFORM_LEVEL[0] = -1 if top is None else top.level()
         _install()
     _ACTIVE[0] += 1
     try:

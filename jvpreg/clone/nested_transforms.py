@@ -9,8 +9,11 @@ JVP 0.59 off, an input-gradient feature ``grad(f)(x) * x`` 0.61 off, silently). 
   to the engine: the exact fallback (:func:`jvpreg.clone.dispatch.fallback`) linearises the whole transformed call at
   the primal block (``torch.func.jvp`` of it, which functorch nests), eagerly (a captured model that calls one runs
   in eager clone mode);
-* any other transform that would wrap a clone batch (``vjp``, ``jacrev``, ``jvp``, ``jacfwd``, ``hessian``, or a clone
-  reaching a transform another way) raises :class:`UnsupportedOpError` naming it, where functorch wraps it.
+* any other transform that would wrap a clone batch (``vjp``, ``jacrev``, ``jvp``, ``jacfwd``, ``hessian``) raises
+  :class:`UnsupportedOpError` naming it, where functorch wraps it;
+* a clone batch that reaches a transform by closure (``vmap(lambda w: tanh(x @ w))(W)``: 10.3 off before) raises at
+  its first op inside (the engine's dispatch compares functorch's interpreter level with the one the clone forward
+  began at: :func:`jvpreg.clone.dispatch._check_transform_level`).
 """
 from __future__ import annotations
 

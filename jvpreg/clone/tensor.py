@@ -72,6 +72,7 @@ _METADATA: set = set()  # getters of metadata (shape, dtype, ...) answered outsi
 # physical batch: a clone that autograd saved inside a rule (subclass dispatch off) reads so there, and
 # torch.utils.checkpoint compares those reads with the same reads after its recomputation
 _ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.functions.active)
+_TRANSFORM_LEVEL: list = [-1]  # the torch.func interpreter level the outermost clone forward began at (-1: none)
 _CAPTURING: list = [None]  # the tracer while jvpreg.clone.capture records a clone forward, else None
 _COMPILING: list = [False]  # the capture under way is for engine="compiled"
 _SWAPPED_CLONES: list = []  # (store, name, clone) of the parameter/buffer slots now holding a clone (swap_in)

@@ -94,3 +94,41 @@ def test_other_transforms_on_a_clone_batch_raise_a_clear_error(transform):
     x, u = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
     with pytest.raises(UnsupportedOpError, match="torch.func transform .* received a clone batch"):
         jvpreg.jvp(calls[transform], (x,), (u,))
+
+
+class ClosureVmap(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weights = nn.Parameter(torch.randn(3, 4, 4, dtype=D))
+
+    def forward(self, x):
+        return torch.vmap(lambda w: torch.tanh(x @ w))(self.weights).sum(0)
+
+
+def test_a_clone_batch_captured_by_a_transformed_closure_raises():
+    """``vmap(lambda w: tanh(x @ w))(W)``: the clone batch ``x`` reaches the transform by closure (10.3 off before)."""
+    torch.manual_seed(0)
+    x, u = torch.randn(5, 4, dtype=D), torch.randn(5, 4, dtype=D)
+    with pytest.raises(UnsupportedOpError, match="captured it by closure, not as an argument"):
+        jvpreg.jvp(ClosureVmap(), (x,), (u,), engine="eager")
+
+
+def test_a_parameter_direction_captured_by_a_vmapped_closure_raises():
+    """``jvp_params`` swaps the weight for a clone, which the per-sample function reads by closure."""
+    torch.manual_seed(0)
+    model = PerSampleVmap().to(D)
+    x = torch.randn(3, 4, dtype=D)
+    with pytest.raises(UnsupportedOpError, match="captured it by closure"):
+        jvpreg.jvp_params(model, (x,), {"lin.weight": torch.randn_like(model.lin.weight)}, engine="eager")
+
+
+def test_jvp_inside_torch_func_grad_is_not_mistaken_for_a_closure():
+    """The level check counts from where the clone forward began: a clone forward inside ``torch.func.grad`` runs."""
+    torch.manual_seed(0)
+    model = PerSampleVmap().to(D)
+    x, u = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JVPFallbackWarning)
+        got = torch.func.grad(lambda a: jvpreg.jvp(model, (a,), (u,), engine="eager")[1].pow(2).sum())(x)
+    want = torch.func.grad(lambda a: torch.func.jvp(model, (a,), (u,))[1].pow(2).sum())(x)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
