@@ -335,6 +335,23 @@ def state_eval(func: Callable, args: tuple, kwargs: dict) -> Any:
     return wrap_tree(out, lambda t: wrap(tile(t, k), state=True))
 
 
+def state_write(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """An in-place op into a plain tensor (a buffer, a statistic) whose clone operands are all state (the same in every
+    block: detached batch data, a statistic of it): the op on the primal blocks, written as a plain forward writes it
+    (``self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))``); :data:`NOT_STATE` where a clone operand carries a
+    tangent, which a plain tensor cannot hold."""
+    flat, spec, idx = _flat_clones(args, kwargs)
+    if not all(flat[i]._jvp_state for i in idx):
+        return NOT_STATE
+    a_args, a_kwargs = block0_args(flat, spec, idx)
+    return func(*a_args, **a_kwargs)
+
+
+NOT_STATE = object()
+STATE_WRITE_HINT = (" A buffer or statistic updated in the forward (an EMA) takes a value computed from detached batch "
+                    "data (h.detach()): its primal value is written, as BatchNorm's running statistics are.")
+
+
 def per_block(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Apply an op that is affine in its clone arguments to every block (``torch.vmap``). A mask or index that is a
     clone (state: the same in every block) enters as its primal block, unbatched: ops whose output shape depends

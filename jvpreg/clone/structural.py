@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_unflatten
 
 from . import tensor as tensor_module
-from .dispatch import BatchWriteError, UnsupportedOpError, _flat_clones, per_block, state_eval, fallback
+from .dispatch import (NOT_STATE, STATE_WRITE_HINT, BatchWriteError, UnsupportedOpError, _flat_clones, fallback,
+                       per_block, state_eval, state_write)
 from .registry import COMPLEX_EXACT, maybe, op_name, register_handler, register_op, register_state
 from .tensor import _METADATA, CloneTensor, any_clone, is_clone, phys_dim, tile, varies, wrap, wrap_tree
 
@@ -243,10 +244,13 @@ def elementwise(func, args, kwargs):
 def elementwise_inplace(func, args, kwargs):
     target = args[0]
     if not is_clone(target):
+        out = state_write(func, args, kwargs)
+        if out is not NOT_STATE:
+            return out
         raise BatchWriteError(
             f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
             "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) "
-            "or use the out-of-place op."
+            "or use the out-of-place op." + STATE_WRITE_HINT
         )
     flat, spec, idx = _flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
@@ -733,10 +737,12 @@ def _getitem(func, args, kwargs):
 def _setitem(func, args, kwargs):
     x, idx, value = args[0], args[1], args[2]
     if not is_clone(x):
+        if state_write(func, args, kwargs) is not NOT_STATE:
+            return None
         raise BatchWriteError(
             "jvpreg clone mode: `t[...] = h` writes batch data into a tensor created outside the batch. "
             "Create `t` from the batch (e.g. torch.zeros_like(h), h.new_zeros(...)) or collect the pieces "
-            "with torch.stack/torch.cat."
+            "with torch.stack/torch.cat." + STATE_WRITE_HINT
         )
     p = x.as_subclass(torch.Tensor)
     state = x._jvp_state and (not is_clone(value) or value._jvp_state)
@@ -761,9 +767,12 @@ def _setitem(func, args, kwargs):
 def _copy_(func, args, kwargs):
     x, src = args[0], args[1]
     if not is_clone(x):
+        out = state_write(func, args, kwargs)
+        if out is not NOT_STATE:
+            return out
         raise BatchWriteError(
             "jvpreg clone mode: `t.copy_(h)` writes batch data into a tensor created outside the batch; "
-            "create `t` from the batch instead (torch.zeros_like(h))."
+            "create `t` from the batch instead (torch.zeros_like(h))." + STATE_WRITE_HINT
         )
     p = x.as_subclass(torch.Tensor)
     if is_clone(src):

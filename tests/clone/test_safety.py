@@ -352,6 +352,56 @@ def test_write_into_a_cache_says_use_cache_false():
         jvpreg.jvp(f, (X,), (U,))
 
 
+STATE_WRITES = {  # a buffer written from detached batch data: the same in every block, so its primal is written
+    "add_": lambda buf, h: buf.mul_(0.9).add_(0.1 * h.detach().mean(0)),
+    "copy_": lambda buf, h: buf.copy_(0.9 * buf + 0.1 * h.detach().mean(0)),
+    "setitem": lambda buf, h: buf.__setitem__(slice(None), h.detach().mean(0)),
+    "mul_": lambda buf, h: buf.mul_(0.5 * h.detach().mean(0) + 1),
+    "iadd": lambda buf, h: buf.__iadd__(h.detach().mean(0)),
+}
+
+
+class Statistic(torch.nn.Module):
+    """An EMA buffer updated in the forward from detached batch data, then read by the same forward."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.lin, self.write = torch.nn.Linear(4, 4).to(D), write
+        self.register_buffer("ema", torch.zeros(4, dtype=D))
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.write(self.ema, h)
+        return torch.tanh(h - self.ema)
+
+
+@pytest.mark.parametrize("engine", ["eager", "auto", "captured"])
+@pytest.mark.parametrize("write", list(STATE_WRITES))
+def test_a_buffer_written_from_detached_batch_data_is_written_as_a_plain_forward_writes_it(write, engine):
+    """Buffer and output equal a plain forward's after each call (3 calls); the JVP equals torch.func.jvp's with the
+    written buffer as a constant (what a plain forward reads after the write)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = Statistic(STATE_WRITES[write])
+    plain = copy.deepcopy(model)
+    x, u = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    for _ in range(3):
+        want_out = plain(x)
+        out, tangent = jvpreg.jvp(model, (x,), (u,), engine=engine)
+        torch.testing.assert_close(model.ema, plain.ema, rtol=0, atol=0)
+        torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+        ema = plain.ema.clone()
+        want = torch.func.jvp(lambda a: torch.tanh(model.lin(a) - ema), (x,), (u,))[1]
+        torch.testing.assert_close(tangent, want, rtol=1e-12, atol=1e-14)
+
+
+def test_a_buffer_written_from_batch_data_that_carries_a_tangent_says_detach():
+    model = Statistic(lambda buf, h: buf.add_(h.mean(0)))
+    with pytest.raises(jvpreg.UnsupportedOpError, match=r"from detached batch data \(h\.detach\(\)\)"):
+        jvpreg.jvp(model, (X[:, :4],), (U[:, :4],))
+
+
 # ----------------------------------------------------------------------------- (d) float32 precision on networks
 
 # Train mode at 32x32: the last BatchNorms see (batch x 1 x 1) values per channel, which makes the JVP
