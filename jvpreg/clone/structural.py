@@ -18,7 +18,8 @@ from . import tensor as tensor_module
 from .dispatch import (NOT_STATE, STATE_WRITE_HINT, BatchWriteError, UnsupportedOpError, _flat_clones, fallback,
                        per_block, state_eval, state_write)
 from .registry import COMPLEX_EXACT, maybe, op_name, register_handler, register_op, register_state
-from .tensor import _METADATA, CloneTensor, any_clone, is_clone, phys_dim, tile, varies, wrap, wrap_tree
+from .tensor import (_METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, tile, varies, wrap,
+                     wrap_tree)
 
 T = torch.Tensor
 
@@ -547,6 +548,13 @@ def _as_strided(func, input, size, stride, storage_offset=None):
     return wrap(p.as_strided((_k(input), *size), (bs, *stride), off), state=input._jvp_state)
 
 
+def _extent(size, stride, offset: int) -> int:
+    """Elements of storage a strided window reaches: its last element's offset + 1 (0 for an empty one)."""
+    if any(n == 0 for n in size):
+        return 0
+    return offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
+
+
 def _scatter_into_copy(t: torch.Tensor, like: torch.Tensor, src: torch.Tensor, size, stride, storage_offset):
     """``torch.as_strided_scatter`` of ``t`` laid out as ``like``: ``t``'s values in a fresh storage of ``like``'s
     size, strides and storage offset (torch's clone_preserve_strides; contiguous where ``like`` overlaps itself), and
@@ -555,7 +563,10 @@ def _scatter_into_copy(t: torch.Tensor, like: torch.Tensor, src: torch.Tensor, s
     if any(st == 0 and n > 1 for st, n in zip(like.stride(), like.shape)):
         out = t.new_zeros(like.shape)
     else:
-        storage = t.new_zeros(like.untyped_storage().nbytes() // like.element_size())
+        extent = max(_extent(like.shape, like.stride(), like.storage_offset()),
+                     _extent(size, stride, like.storage_offset() if storage_offset is None else storage_offset))
+        # the storage's size where it can be read (not under a torch.func transform): at least what both windows span
+        storage = t.new_zeros(max(storage_bytes(like) // like.element_size(), extent))
         out = storage.as_strided(like.shape, like.stride(), like.storage_offset())
     out.copy_(t)
     out.as_strided(size, stride, storage_offset).copy_(src)
@@ -592,12 +603,21 @@ def _inplace_view(func, args, kwargs):
     x = args[0]
     oop = _INPLACE_VIEWS[func]
     v = HANDLERS[oop](oop, args, kwargs).as_subclass(torch.Tensor)
-    if v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+    if _same_storage(v, x):
         torch.Tensor.as_strided_(x, v.size(), v.stride(), v.storage_offset())
     else:  # pragma: no cover - a copying fallback: take its storage
         with torch.no_grad():
             x.set_(v.detach())
     return x
+
+
+def _same_storage(v: torch.Tensor, x: torch.Tensor) -> bool:
+    """``v`` (a view op's result) shares ``x``'s storage; under a ``torch.func`` transform, whose wrappers have no
+    storage to read, a result that is a view does."""
+    try:
+        return v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return v._is_view()
 
 
 def _as_block_tensor(t: Any, k: int) -> torch.Tensor:

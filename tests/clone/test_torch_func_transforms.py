@@ -253,3 +253,26 @@ def test_train_mode_batchnorm_under_forward_mode_ad():
     h = 1e-5
     fd = (jvpreg.jvp(model, (x + h * v,), (u,))[1] - jvpreg.jvp(model, (x - h * v,), (u,))[1]) / (2 * h)
     torch.testing.assert_close(got, fd, rtol=1e-6, atol=1e-8 * float(fd.abs().max()))
+
+
+STORAGE_READS = {  # rules that read a tensor's storage, which a transform's wrapper does not have
+    "t_": lambda a: a.tanh().mul(2).t_().sin(),
+    "unsqueeze_": lambda a: a.tanh().mul(2).unsqueeze_(0).sin(),
+    "as_strided_scatter": lambda a: torch.as_strided_scatter(a.tanh(), a.sin()[:2, :2], (2, 2), (4, 1), 1).cos(),
+}
+
+
+@pytest.mark.parametrize("name", list(STORAGE_READS))
+def test_rules_that_read_storage_run_inside_torch_func_grad(name):
+    """In-place views and ``as_strided_scatter`` inside ``torch.func.grad`` (they read the storage, which crashed on
+    its wrappers): the gradient equals plain autograd's through the same JVP (torch.func itself refuses these)."""
+    torch.manual_seed(0)
+    x, u = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+
+    def penalty(a):
+        return jvpreg.jvp(STORAGE_READS[name], (a,), (u,))[1].pow(2).sum()
+
+    got = torch.func.grad(penalty)(x)
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(penalty(leaf), leaf)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
