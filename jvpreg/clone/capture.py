@@ -60,7 +60,8 @@ checkpointed forward of the doubled batch saves.
 
 Limits (each falls back to eager clone mode with a warning, never a wrong answer):
 * inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``jvp``) or a forward-mode AD dual level, whose
-  wrapped or dual tensors a program cannot hold, every call runs eagerly, also where a program of its signature exists (``engine="auto"`` without a warning);
+  wrapped or dual tensors a program cannot hold, every call runs eagerly, also where a program of its signature
+  exists (``engine="auto"`` without a warning);
 * Python reads of tensor values that cannot be re-checked (above), or that differ on every call; custom
   ``autograd.Function`` s on plain tensors under
   autograd (their backward would not be replayed); modules with forward hooks other than
