@@ -172,9 +172,9 @@ def write_back(func: Any, target: Any, out: Any) -> Any:
     The one place where in-place writes into clones happen (rules, the generic path): the target must
     be a clone, a plain tensor cannot hold the blocks.
     """
-    from .dispatch import BatchWriteError
-
     from torch._C import DisableTorchFunctionSubclass
+
+    from .dispatch import BatchWriteError
 
     if not is_clone(target):
         if not is_clone(out) or out._jvp_state:  # the same in every block: its primal, as a plain forward writes it

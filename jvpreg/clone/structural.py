@@ -563,10 +563,11 @@ def _scatter_into_copy(t: torch.Tensor, like: torch.Tensor, src: torch.Tensor, s
     if any(st == 0 and n > 1 for st, n in zip(like.stride(), like.shape)):
         out = t.new_zeros(like.shape)
     else:
-        extent = max(_extent(like.shape, like.stride(), like.storage_offset()),
-                     _extent(size, stride, like.storage_offset() if storage_offset is None else storage_offset))
-        # the storage's size where it can be read (not under a torch.func transform): at least what both windows span
-        storage = t.new_zeros(max(storage_bytes(like) // like.element_size(), extent))
+        n = storage_bytes(like) // like.element_size()
+        if n == 0:  # under a torch.func transform its wrapper has no storage to read: what both windows span
+            n = max(_extent(like.shape, like.stride(), like.storage_offset()),
+                    _extent(size, stride, like.storage_offset() if storage_offset is None else storage_offset))
+        storage = t.new_zeros(n)
         out = storage.as_strided(like.shape, like.stride(), like.storage_offset())
     out.copy_(t)
     out.as_strided(size, stride, storage_offset).copy_(src)

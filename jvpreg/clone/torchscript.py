@@ -34,8 +34,8 @@ class _ScriptCall:
 
     def __init__(self, script: Any, original: Callable):
         self.script, self.original = script, original
-        self.__qualname__ = f"{getattr(script, 'qualified_name', None) or getattr(script, 'name', 'forward')} " \
-                            "(TorchScript)"
+        name = getattr(script, "qualified_name", None) or getattr(script, "name", "forward")
+        self.__qualname__ = f"{name} (TorchScript)"
         self.__name__ = getattr(script, "name", "forward")
         self.__module__ = "torch.jit"
         self.hint = HINT
