@@ -27,6 +27,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.autograd.function import BackwardCFunction
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .made_tensors import ORIGINAL_OF
 from .registry import (COMPLEX_AFFINE, COMPLEX_AFFINE_MODULES, COMPLEX_EXACT, HANDLERS, REENTRANT, op_name,
                        tensor_args_first)
 from . import tensor as tensor_module
@@ -147,6 +148,7 @@ def _check_transform_level(func: Callable) -> None:
 
 
 def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
+    func = ORIGINAL_OF.get(func, func)  # a factory that notes what it makes: its rules are the plain one's
     check_not_custom_output(args)
     _check_transform_level(func)
     if kwargs and "out" in kwargs:
@@ -308,7 +310,16 @@ def generic_inplace(func: Callable, args: tuple, kwargs: dict) -> Any:
             f"{_how_to_register(func, op_name(func))}")
     target = args[0]
     if not is_clone(target):
-        return write_back(func, target, None)  # raises: a plain tensor cannot hold the blocks
+        out = state_write(func, args, kwargs)
+        if out is not NOT_STATE:
+            return out
+        from .made_tensors import blocks_of, promoted
+
+        if not promoted(target, blocks_of(args[1:], kwargs)):
+            raise BatchWriteError(
+                f"jvpreg clone mode: in-place {op_name(func)} would write batch data into a tensor created outside "
+                "the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) or use the out-of-place "
+                "op." + STATE_WRITE_HINT)
     return write_back(func, target, dispatch(oop, detached_target(args, kwargs), kwargs))
 
 

@@ -102,14 +102,15 @@ _HOOKS: list = []  # (install, uninstall) of the other global routes a clone for
 
 def _hooks() -> list:
     if not _HOOKS:
-        from . import checkpointing, compiled_code, nested_transforms, torchscript
+        from . import checkpointing, compiled_code, made_tensors, nested_transforms, torchscript
         from .rules import flex_attention
 
         _HOOKS.extend([(checkpointing.install, checkpointing.uninstall),
                        (flex_attention.install, flex_attention.uninstall),
                        (compiled_code.force_eager, compiled_code.restore),
                        (torchscript.install, torchscript.uninstall),
-                       (nested_transforms.install, nested_transforms.uninstall)])
+                       (nested_transforms.install, nested_transforms.uninstall),
+                       (made_tensors.install, made_tensors.uninstall)])
     return _HOOKS
 
 

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_unflatten
 from . import tensor as tensor_module
 from .dispatch import (NOT_STATE, STATE_WRITE_HINT, BatchWriteError, UnsupportedOpError, _flat_clones, fallback,
                        per_block, state_eval, state_write)
+from .made_tensors import blocks_of, promoted
 from .registry import COMPLEX_EXACT, maybe, op_name, register_handler, register_op, register_state
 from .tensor import (_METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, tile, varies, wrap,
                      wrap_tree)
@@ -248,11 +249,12 @@ def elementwise_inplace(func, args, kwargs):
         out = state_write(func, args, kwargs)
         if out is not NOT_STATE:
             return out
-        raise BatchWriteError(
-            f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
-            "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) "
-            "or use the out-of-place op." + STATE_WRITE_HINT
-        )
+        if not promoted(target, blocks_of(args[1:], kwargs)):
+            raise BatchWriteError(
+                f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
+                "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) "
+                "or use the out-of-place op." + STATE_WRITE_HINT
+            )
     flat, spec, idx = _flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
     a, k = tree_unflatten(align(flat, idx), spec)
@@ -279,8 +281,9 @@ def _where(func, args, kwargs):
 
 COMPLEX_EXACT.update(f for f in (torch.add, T.add, T.__add__, T.__radd__, torch.sub, T.sub, T.__sub__, T.__rsub__,
                                  torch.rsub, maybe(torch, "subtract"), maybe(T, "subtract"), torch.where, T.where,
-                                 torch.cat, maybe(torch, "concat"), maybe(torch, "concatenate"), torch.stack)
-                     if f is not None)  # linear in every argument
+                                 torch.cat, maybe(torch, "concat"), maybe(torch, "concatenate"), torch.stack,
+                                 T.__setitem__, T.copy_)
+                     if f is not None)  # linear in every argument (the writes: in the target and the value jointly)
 
 
 @register_op(torch.masked_fill, T.masked_fill)
@@ -760,11 +763,12 @@ def _setitem(func, args, kwargs):
     if not is_clone(x):
         if state_write(func, args, kwargs) is not NOT_STATE:
             return None
-        raise BatchWriteError(
-            "jvpreg clone mode: `t[...] = h` writes batch data into a tensor created outside the batch. "
-            "Create `t` from the batch (e.g. torch.zeros_like(h), h.new_zeros(...)) or collect the pieces "
-            "with torch.stack/torch.cat." + STATE_WRITE_HINT
-        )
+        if not promoted(x, blocks_of(idx, value)):
+            raise BatchWriteError(
+                "jvpreg clone mode: `t[...] = h` writes batch data into a tensor created outside the batch. "
+                "Create `t` from the batch (e.g. torch.zeros_like(h), h.new_zeros(...)) or collect the pieces "
+                "with torch.stack/torch.cat." + STATE_WRITE_HINT
+            )
     p = x.as_subclass(torch.Tensor)
     state = x._jvp_state and (not is_clone(value) or value._jvp_state)
     if _basic_index(idx):
@@ -791,10 +795,11 @@ def _copy_(func, args, kwargs):
         out = state_write(func, args, kwargs)
         if out is not NOT_STATE:
             return out
-        raise BatchWriteError(
-            "jvpreg clone mode: `t.copy_(h)` writes batch data into a tensor created outside the batch; "
-            "create `t` from the batch instead (torch.zeros_like(h))." + STATE_WRITE_HINT
-        )
+        if not promoted(x, blocks_of(src)):
+            raise BatchWriteError(
+                "jvpreg clone mode: `t.copy_(h)` writes batch data into a tensor created outside the batch; "
+                "create `t` from the batch instead (torch.zeros_like(h))." + STATE_WRITE_HINT
+            )
     p = x.as_subclass(torch.Tensor)
     if is_clone(src):
         s = src.as_subclass(torch.Tensor)

@@ -278,38 +278,36 @@ def test_fallback_mode_restores_on_error():
 OUTSIDE = "created outside the batch"
 
 
-def write_setitem(h):
-    buf = torch.zeros(h.shape[0], 4, dtype=h.dtype)
+# Writes of batch data into a tensor the forward did not make (a cache or buffer made before it): a plain tensor
+# cannot hold the blocks. (Tensors the forward makes itself are filled: tests/clone/test_made_tensors.py.)
+
+
+def write_setitem(h, buf):
     buf[:, 0] = h[:, 0]
     return buf
 
 
-def write_copy(h):
-    buf = torch.zeros(h.shape, dtype=h.dtype)
+def write_copy(h, buf):
     buf.copy_(h)
     return buf
 
 
-def write_add_(h):
-    buf = torch.zeros(h.shape, dtype=h.dtype)
+def write_add_(h, buf):
     buf.add_(h)
     return buf
 
 
-def write_iadd(h):
-    buf = torch.zeros(h.shape, dtype=h.dtype)
+def write_iadd(h, buf):
     buf += h
     return buf
 
 
-def write_mul_(h):
-    buf = torch.ones(h.shape, dtype=h.dtype)
+def write_mul_(h, buf):
     buf.mul_(h)
     return buf
 
 
-def write_masked_setitem(h):
-    buf = torch.zeros(h.shape, dtype=h.dtype)
+def write_masked_setitem(h, buf):
     buf[h > 0] = h[h > 0]
     return buf
 
@@ -323,10 +321,10 @@ WRITE_SETTINGS = [
                                                                       + OUTSIDE},
     {"id": "iadd", "func": write_iadd, "error": RuntimeError, "match": OUTSIDE},
     {"id": "mul_", "func": write_mul_, "error": RuntimeError, "match": OUTSIDE},
-    {"id": "out-kwarg-no-rule", "func": lambda h: torch.atan(h, out=torch.empty(h.shape, dtype=h.dtype)),
+    {"id": "out-kwarg-no-rule", "func": lambda h, buf: torch.atan(h, out=torch.empty(h.shape, dtype=h.dtype)),
      "error": jvpreg.UnsupportedOpError, "match": r"atan\(\.\.\., out=\.\.\.\) is not supported; use the "
                                                   r"out-of-place form"},
-    {"id": "out-kwarg-with-rule", "func": lambda h: torch.sin(h, out=torch.empty(h.shape, dtype=h.dtype)),
+    {"id": "out-kwarg-with-rule", "func": lambda h, buf: torch.sin(h, out=torch.empty(h.shape, dtype=h.dtype)),
      "error": jvpreg.UnsupportedOpError, "match": r"sin\(\.\.\., out=\.\.\.\) is not supported"},
 ]
 
@@ -336,8 +334,10 @@ WRITE_SETTINGS = [
     if "xfail" in s else pytest.param(s, id=s["id"]) for s in WRITE_SETTINGS
 ])
 def test_write_into_plain_buffer_raises(setting):
+    buf = torch.ones(X.shape, dtype=X.dtype)  # made before the forward
     with pytest.raises(setting["error"], match=setting["match"]):
-        jvpreg.jvp(lambda x: setting["func"](torch.tanh(x)), (X,), (U,))
+        jvpreg.jvp(lambda x: setting["func"](torch.tanh(x), buf), (X,), (U,))
+    assert torch.equal(buf, torch.ones(X.shape, dtype=X.dtype)) and type(buf) is torch.Tensor
 
 
 def test_write_into_a_cache_says_use_cache_false():
