@@ -444,3 +444,15 @@ def test_train_benchmark_interrupted_in_its_gradient_checks_still_writes_its_tim
     assert all(r["status"] == "ok" and r["median_s"] > 0 for r in rows.values())
     assert rows["clone_eager"]["grad_check"] == train.INTERRUPTED
     assert "grad check: not run (interrupted)" in out.with_suffix(".md").read_text()
+
+
+def test_capture_benchmark_runs_the_neural_operator():
+    """FNO-2d as its reference code is written (complex weights, modes written into ``torch.zeros``): the captured
+    engine replays the eager one's JVP exactly, and torch.func.jvp agrees to float32 rounding."""
+    from jvpreg.bench import capture
+
+    result = capture.run(["operator"], ["forward_2B", "captured", "torch.func.jvp"], rounds=1, warmup=0, device="cpu",
+                         mode="eval", autocast=None, progress=False, clock="cpu", isolate=False, threads=1)
+    (row,) = result["rows"]
+    assert row["model"] == "fno2d" and not row["errors"]
+    assert row["rel_diff"]["captured"] == 0.0 and row["rel_diff"]["torch.func.jvp"] < 1e-5

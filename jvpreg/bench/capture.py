@@ -103,6 +103,44 @@ def _resnet18_gn():
     return torchvision.models.resnet18(num_classes=10, norm_layer=lambda c: nn.GroupNorm(32, c))
 
 
+class _SpectralConv2d(nn.Module):
+    """A Fourier neural operator's spectral convolution as its reference code writes it: the retained modes written
+    into ``torch.zeros`` of the batch size (:mod:`jvpreg.clone.made_tensors`), complex weights."""
+
+    def __init__(self, width: int, modes: int):
+        super().__init__()
+        self.modes = modes
+        scale = 1 / (width * width)
+        self.w1 = nn.Parameter(scale * torch.rand(width, width, modes, modes, dtype=torch.cfloat))
+        self.w2 = nn.Parameter(scale * torch.rand(width, width, modes, modes, dtype=torch.cfloat))
+
+    def forward(self, x):
+        m = self.modes
+        x_ft = torch.fft.rfft2(x)
+        out_ft = torch.zeros(x.shape[0], self.w1.shape[1], x.size(-2), x.size(-1) // 2 + 1, dtype=x_ft.dtype,
+                             device=x.device)
+        out_ft[:, :, :m, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m, :m], self.w1)
+        out_ft[:, :, -m:, :m] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, -m:, :m], self.w2)
+        return torch.fft.irfft2(out_ft, s=(x.size(-2), x.size(-1)))
+
+
+class _FNO2d(nn.Module):
+    """FNO-2d (Li et al. 2021): lift, 4 Fourier layers (spectral conv + 1x1 conv, GELU), project."""
+
+    def __init__(self, width: int = 32, modes: int = 8, layers: int = 4):
+        super().__init__()
+        self.lift, self.project = nn.Conv2d(1, width, 1), nn.Conv2d(width, 1, 1)
+        self.spectral = nn.ModuleList([_SpectralConv2d(width, modes) for _ in range(layers)])
+        self.pointwise = nn.ModuleList([nn.Conv2d(width, width, 1) for _ in range(layers)])
+
+    def forward(self, x):
+        x = self.lift(x)
+        for i, (s, w) in enumerate(zip(self.spectral, self.pointwise)):
+            x = s(x) + w(x)
+            x = nn.functional.gelu(x) if i < len(self.spectral) - 1 else x
+        return self.project(x)
+
+
 # name -> (builder, input shape)
 SUITES: Dict[str, Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]]] = {
     "small": {
@@ -120,6 +158,9 @@ SUITES: Dict[str, Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]]] = 
     },
     "norm": {  # GroupNorm: its statistics are per sample, so its rule has work to do in eval mode too
         "resnet18_gn": (_resnet18_gn, (4, 3, 32, 32)),
+    },
+    "operator": {  # complex intermediates, and tensors the forward makes and fills
+        "fno2d": (_FNO2d, (4, 1, 32, 32)),
     },
     "large": {
         "resnet50": (_tv("resnet50"), (8, 3, 64, 64)),

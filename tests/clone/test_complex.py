@@ -17,6 +17,9 @@ import jvpreg
 D = torch.float64
 
 
+W = torch.randn(3, 3, dtype=torch.complex128, generator=torch.Generator().manual_seed(3))
+
+
 def c(x):
     return torch.view_as_complex(x.view(4, 3, 2))
 
@@ -34,6 +37,9 @@ CASES = {
     "sqrt log": lambda x: torch.view_as_real((c(x) + 3).sqrt() + (c(x) + 3).log()),
     "pow": lambda x: torch.view_as_real(c(x) ** 2 + (c(x) + 3) ** c(x)),
     "matmul einsum": lambda x: torch.view_as_real(c(x) @ c(x).T + torch.einsum("ij,kj->ik", c(x), c(x))),
+    "products with a complex weight": lambda x: torch.view_as_real(
+        c(x) @ W + torch.einsum("bi,io->bo", c(x), W) + torch.mm(c(x), W) + torch.bmm(c(x)[None], W[None])[0]
+        + torch.tensordot(c(x), W, dims=1) + torch.mv(W.T, c(x)[0])[None] + (W.T @ c(x).T).T),
     "addcmul": lambda x: torch.view_as_real(torch.addcmul(c(x), c(x), c(x).flip(0), value=2)),
     "prod cumprod": lambda x: torch.view_as_real(c(x).prod(1)[:, None] + c(x).cumprod(1)),
     "cat where": lambda x: torch.view_as_real(torch.cat([torch.where(x[:, ::2] > 0, c(x), 2 * c(x)), c(x) ** 2], 1)),
@@ -61,7 +67,8 @@ def test_complex_intermediate_is_exact(name: str, engine: str) -> None:
 
 
 def test_linear_ops_on_complex_clones_keep_their_handlers(recwarn) -> None:
-    """Shape ops, sums, FFTs, add, cat: no fallback (and no fallback warning) on a complex intermediate."""
+    """Shape ops, sums, FFTs, add, cat, products with a constant: no fallback (and no fallback warning) on a complex
+    intermediate."""
     from jvpreg.clone import dispatch
 
     dispatch._WARNED.clear()
@@ -71,6 +78,7 @@ def test_linear_ops_on_complex_clones_keep_their_handlers(recwarn) -> None:
     def f(x):
         z = torch.fft.rfft(x, dim=1)
         z = torch.cat([z, z.flip(0)], 1) + 2 * z.repeat(1, 2) - z.conj().repeat(1, 2)
+        z = z[:, :3] @ W + torch.einsum("bi,io->bo", z[:, 3:6], W)  # affine in the one varying operand
         return torch.view_as_real(z.sum(0)).reshape(-1)
 
     torch.testing.assert_close(jvpreg.jvp(f, (x,), (u,)), torch.func.jvp(f, (x,), (u,)), rtol=1e-12, atol=1e-12)

@@ -19,7 +19,9 @@ T = torch.Tensor
 
 
 def _varying_positions(flat, idx):
-    return [i for i in idx if not flat[i]._jvp_state and flat[i].is_floating_point()]
+    """Positions of the clones that carry tangents (real or complex: a complex one reaches a product rule only where
+    the op is affine in it, :func:`jvpreg.clone.dispatch.complex_exact`)."""
+    return [i for i in idx if not flat[i]._jvp_state and (flat[i].is_floating_point() or flat[i].is_complex())]
 
 
 def _aligned_pair(x, y):
@@ -142,6 +144,11 @@ def matmul(func, args, kwargs):
         # x @ W with a constant W: every leading dim (blocks included) is a batch dim
         return wrap(torch.matmul(args[0].as_subclass(torch.Tensor), args[1]), state=args[0]._jvp_state)
     return _bilinear(func, args, kwargs)
+
+
+COMPLEX_AFFINE.update(f for f in (torch.matmul, T.matmul, T.__matmul__, torch.mm, T.mm, torch.bmm, T.bmm,
+                                  torch.einsum, maybe(torch, "mv"), maybe(T, "mv"), maybe(torch, "tensordot"))
+                     if f is not None)  # one varying operand: op(z_j, W) on every block (a Fourier layer's einsum)
 
 
 @register_handler(T.__rmatmul__)
