@@ -104,6 +104,17 @@ def _sole(t: torch.Tensor) -> bool:
         return False
 
 
+def why_not(target: Any) -> str:
+    """For a refused write's error: why a tensor this forward made was not filled (``""`` for any other tensor)."""
+    made = _MADE.get(id(target))
+    if made is None or made() is not target:
+        return ""
+    if target.requires_grad:
+        return " (The tensor was made in this forward but requires grad: make it without requires_grad=True.)"
+    return (" (The tensor was made in this forward, but a view of it was taken before this write, which would not see "
+            "the batch's blocks: take views after the writes.)")
+
+
 def promoted(target: Any, k: Optional[int]) -> bool:
     """Turn ``target``, a plain tensor made by a factory in this clone forward, into a state clone of ``k`` blocks
     (in place: the same Python object) so that batch data can be written into it; ``False`` where that would not be

@@ -181,13 +181,13 @@ def write_back(func: Any, target: Any, out: Any) -> Any:
             with DisableTorchFunctionSubclass():
                 return target.copy_(out.as_subclass(torch.Tensor)[0] if is_clone(out) else out)
         from .dispatch import STATE_WRITE_HINT
-        from .made_tensors import blocks_of, promoted
+        from .made_tensors import blocks_of, promoted, why_not
 
         if not promoted(target, blocks_of(out)):
             raise BatchWriteError(
                 f"jvpreg clone mode: {op_name(func)} would write batch data into a tensor created outside the "
                 "batch. Create that tensor from the batch (e.g. torch.zeros_like(h) or h.new_zeros(...)) or use "
-                "the out-of-place op (collect pieces with torch.stack/torch.cat)." + STATE_WRITE_HINT
+                "the out-of-place op (collect pieces with torch.stack/torch.cat)." + why_not(target) + STATE_WRITE_HINT
             )
 
     with DisableTorchFunctionSubclass():

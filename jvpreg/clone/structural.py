@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_unflatten
 from . import tensor as tensor_module
 from .dispatch import (NOT_STATE, STATE_WRITE_HINT, BatchWriteError, UnsupportedOpError, _flat_clones, fallback,
                        per_block, state_eval, state_write)
-from .made_tensors import blocks_of, promoted
+from .made_tensors import blocks_of, promoted, why_not
 from .registry import COMPLEX_EXACT, maybe, op_name, register_handler, register_op, register_state
 from .tensor import (_METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, tile, varies, wrap,
                      wrap_tree)
@@ -253,7 +253,7 @@ def elementwise_inplace(func, args, kwargs):
             raise BatchWriteError(
                 f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
                 "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) "
-                "or use the out-of-place op." + STATE_WRITE_HINT
+                "or use the out-of-place op." + why_not(target) + STATE_WRITE_HINT
             )
     flat, spec, idx = _flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
@@ -767,7 +767,7 @@ def _setitem(func, args, kwargs):
             raise BatchWriteError(
                 "jvpreg clone mode: `t[...] = h` writes batch data into a tensor created outside the batch. "
                 "Create `t` from the batch (e.g. torch.zeros_like(h), h.new_zeros(...)) or collect the pieces "
-                "with torch.stack/torch.cat." + STATE_WRITE_HINT
+                "with torch.stack/torch.cat." + why_not(x) + STATE_WRITE_HINT
             )
     p = x.as_subclass(torch.Tensor)
     state = x._jvp_state and (not is_clone(value) or value._jvp_state)
@@ -798,7 +798,7 @@ def _copy_(func, args, kwargs):
         if not promoted(x, blocks_of(src)):
             raise BatchWriteError(
                 "jvpreg clone mode: `t.copy_(h)` writes batch data into a tensor created outside the batch; "
-                "create `t` from the batch instead (torch.zeros_like(h))." + STATE_WRITE_HINT
+                "create `t` from the batch instead (torch.zeros_like(h))." + why_not(x) + STATE_WRITE_HINT
             )
     p = x.as_subclass(torch.Tensor)
     if is_clone(src):

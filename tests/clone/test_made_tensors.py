@@ -176,7 +176,10 @@ def test_refused_writes_keep_the_error(kind):
     model = _f64(WritesInto(kind))
     x = torch.randn(3, 4, dtype=DT)
     kwargs = {"out": torch.zeros(3, 4, dtype=DT)} if kind == "argument" else None
-    with pytest.raises(BatchWriteError, match="writes batch data into a tensor created outside the batch"):
+    match = "writes batch data into a tensor created outside the batch"
+    if kind == "viewed":  # the message says why a tensor the forward made was not filled
+        match += r".*a view of it was taken before this write, .*take views after the writes"
+    with pytest.raises(BatchWriteError, match=match):
         jvpreg.jvp(lambda z: model(z, **(kwargs or {})), (x,), (torch.randn_like(x),), engine="eager")
     assert type(model.held) is torch.Tensor and torch.equal(model.held, torch.zeros(3, 4, dtype=DT))
 
