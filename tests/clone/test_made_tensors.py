@@ -220,3 +220,53 @@ def test_torchscript_maps_the_noting_factories_to_aten():
         return torch.zeros(n) + 1
 
     assert torch.equal(scripted(3), torch.ones(3))
+
+
+def _small_fno():
+    from jvpreg.bench.capture import _FNO2d
+
+    torch.manual_seed(3)
+    return _f64(_FNO2d(width=4, modes=2, layers=2))
+
+
+@pytest.mark.parametrize("engine", ["eager", "auto"])
+def test_regularized_step_through_a_fourier_operator(engine):
+    """The callbacks' code path (hooks around the user's forward): the gradient of task loss + ||J u||^2 / B equals
+    torch.func's, on every call of the engine (eager, capture, replay)."""
+    import copy
+
+    from jvpreg.callbacks.shared import SharedForward
+    from jvpreg.losses import JacobianFrobenius
+
+    model = _small_fno()
+    x = torch.randn(2, 1, 8, 8, dtype=DT)
+    u = torch.randn_like(x)
+
+    class Along(JacobianFrobenius):
+        def directions(self, x, context):
+            return u[None]
+
+    def ref_loss(p):
+        f = lambda z: torch.func.functional_call(model, p, (z,))  # noqa: E731
+        y, t = torch.func.jvp(f, (x,), (u,))
+        return y.pow(2).mean() + t.pow(2).sum() / x.shape[0]
+
+    ref = torch.func.grad(ref_loss)(dict(model.named_parameters()))
+    mine = copy.deepcopy(model)
+    shared = SharedForward(mine, engine=engine)
+    for _ in range(3):
+        mine.zero_grad()
+        shared.arm([(Along(1), 1.0, 1.0)])
+        loss = mine(x).pow(2).mean() + shared.total()
+        shared.disarm()
+        loss.backward()
+        for name, p in mine.named_parameters():
+            assert _rel(p.grad, ref[name]) < 1e-12, name
+
+
+@pytest.mark.slow
+def test_compiled_engine_through_a_fourier_operator():
+    model = _small_fno()
+    x = torch.randn(2, 1, 8, 8, dtype=DT)
+    _check(model, x, "compiled", calls=2)
+    _check(torch.compile(model), x, "auto", calls=2)
