@@ -102,7 +102,7 @@ _HOOKS: list = []  # (install, uninstall) of the other global routes a clone for
 
 def _hooks() -> list:
     if not _HOOKS:
-        from . import checkpointing, compiled_code, made_tensors, nested_transforms, torchscript
+        from . import checkpointing, compiled_code, made_tensors, nested_transforms, stored_clones, torchscript
         from .rules import flex_attention
 
         _HOOKS.extend([(checkpointing.install, checkpointing.uninstall),
@@ -110,7 +110,8 @@ def _hooks() -> list:
                        (compiled_code.force_eager, compiled_code.restore),
                        (torchscript.install, torchscript.uninstall),
                        (nested_transforms.install, nested_transforms.uninstall),
-                       (made_tensors.install, made_tensors.uninstall)])
+                       (made_tensors.install, made_tensors.uninstall),
+                       (stored_clones.install, stored_clones.uninstall)])
     return _HOOKS
 
 

@@ -1,0 +1,96 @@
+"""Tensors a forward stores on its modules (jvpreg.clone.stored_clones): their primal after the clone forward, a
+constant of the next call as torch.func.jvp has it, and what a plain forward would have stored."""
+import pytest
+import torch
+import torch.nn as nn
+
+import jvpreg
+from jvpreg.clone import stored_clones
+
+DT = torch.float64
+
+
+class Memory(nn.Module):
+    """Keeps its last state for the next call, and an attention-like map for a plot; ``where``: a plain attribute,
+    or a registered buffer."""
+
+    def __init__(self, detach=True, where="attribute"):
+        super().__init__()
+        self.lin, self.detach = nn.Linear(4, 4), detach
+        if where == "buffer":
+            self.register_buffer("mem", None)
+        else:
+            self.mem = None
+
+    def forward(self, x):
+        h = self.lin(x).tanh()
+        if self.mem is not None:
+            h = h * self.mem
+        self.mem = h.detach() if self.detach else h
+        self.attn_map = h.softmax(-1).detach()
+        return h
+
+
+def _reference(model, x, u):
+    """torch.func.jvp of the same call on a copy whose stored state is the model's (a constant of the call)."""
+    ref = Memory(model.detach).to(DT)
+    ref.load_state_dict({k: v for k, v in model.state_dict().items() if k != "mem"}, strict=False)
+    ref.mem = None if model.mem is None else model.mem.detach()
+    return torch.func.jvp(ref, (x,), (u,))[1]
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured", "auto"])
+@pytest.mark.parametrize("detach", [True, False], ids=["detached", "with_history"])
+@pytest.mark.parametrize("where", ["attribute", "buffer"])
+def test_stored_state_is_the_primal_after_the_forward(engine, detach, where):
+    torch.manual_seed(0)
+    model = Memory(detach, where).to(DT)
+    twin = Memory(detach, where).to(DT)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4, dtype=DT)
+    for _ in range(3):
+        u = torch.randn_like(x)
+        want = _reference(model, x, u)
+        y, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+        assert ((t - want).norm() / want.norm()).item() < 1e-12  # the previous call's state is a constant
+        twin(x)  # what a plain forward stores
+        for name in ("mem", "attn_map"):
+            stored = getattr(model, name)
+            assert type(stored) is torch.Tensor and torch.equal(stored, getattr(twin, name)), name
+        assert model.mem.requires_grad == (not detach)
+        assert ("mem" in model._buffers) == (where == "buffer")
+    assert torch.equal(model(x), twin(x))  # a plain forward after the clone forwards reads a plain tensor
+
+
+def test_stored_clone_is_the_primal_also_when_the_forward_raises():
+    class Raises(nn.Module):
+        def forward(self, x):
+            self.kept = x * 2
+            raise ValueError("boom")
+
+    model = Raises()
+    x = torch.randn(2, 3, dtype=DT)
+    with pytest.raises(ValueError, match="boom"):
+        jvpreg.jvp(model, (x,), (torch.randn_like(x),), engine="eager")
+    assert type(model.kept) is torch.Tensor and torch.equal(model.kept, x * 2)
+    assert nn.Module.__setattr__ is stored_clones._PLAIN_SETATTR and not stored_clones._STORED
+
+
+def test_regularized_step_leaves_a_plain_model():
+    """The callbacks' code path: after a regularized training step the model's stored state is plain."""
+    from jvpreg.callbacks.shared import SharedForward
+    from jvpreg.losses import JacobianFrobenius
+
+    torch.manual_seed(1)
+    model = Memory().to(DT)
+    shared = SharedForward(model, engine="auto")
+    x = torch.randn(3, 4, dtype=DT)
+    for _ in range(3):
+        shared.arm([(JacobianFrobenius(1), 1.0, 1.0)])
+        loss = model(x).sum() + shared.total()
+        shared.disarm()
+        loss.backward()
+        assert type(model.mem) is torch.Tensor and type(model.attn_map) is torch.Tensor
+    model.eval()
+    with torch.no_grad():
+        model(x)  # validation: a plain forward reads the stored state
