@@ -313,13 +313,12 @@ def generic_inplace(func: Callable, args: tuple, kwargs: dict) -> Any:
         out = state_write(func, args, kwargs)
         if out is not NOT_STATE:
             return out
-        from .made_tensors import blocks_of, promoted, why_not
+        from .made_tensors import blocks_of, fill_or_refuse
 
-        if not promoted(target, blocks_of(args[1:], kwargs)):
-            raise BatchWriteError(
-                f"jvpreg clone mode: in-place {op_name(func)} would write batch data into a tensor created outside "
-                "the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) or use the out-of-place "
-                "op." + why_not(target) + STATE_WRITE_HINT)
+        fill_or_refuse(target, blocks_of(args[1:], kwargs),
+                       f"jvpreg clone mode: in-place {op_name(func)} would write batch data into a tensor created "
+                       "outside the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) or use the "
+                       "out-of-place op.")
     return write_back(func, target, dispatch(oop, detached_target(args, kwargs), kwargs))
 
 

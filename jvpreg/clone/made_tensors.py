@@ -7,7 +7,7 @@ a clone batch. While a clone forward runs, the factories (``torch.zeros``, ``one
 ``_like`` forms and ``Tensor.new_*``) note the floating-point tensors they make; the first write of batch data
 into one of them turns it, in place, into a state clone (every block its current value, zero tangent, as
 ``torch.func.jvp`` has a constant) and the write lands block by block. The user's variable keeps pointing at the
-same tensor object, now ``K`` blocks (:func:`promoted`).
+same tensor object, now ``K`` blocks (:func:`fill_or_refuse`, the one place every write site asks).
 
 Exact: before the write the tensor does not depend on the input, and the write is the ordinary clone write.
 Refused (the write raises :class:`jvpreg.clone.dispatch.BatchWriteError`, as before): a tensor that a view or
@@ -104,7 +104,7 @@ def _sole(t: torch.Tensor) -> bool:
         return False
 
 
-def why_not(target: Any) -> str:
+def _why_not(target: Any) -> str:
     """For a refused write's error: why a tensor this forward made was not filled (``""`` for any other tensor)."""
     made = _MADE.get(id(target))
     if made is None or made() is not target:
@@ -115,10 +115,10 @@ def why_not(target: Any) -> str:
             "the batch's blocks: take views after the writes.)")
 
 
-def promoted(target: Any, k: Optional[int]) -> bool:
+def _promoted(target: Any, k: Optional[int]) -> bool:
     """Turn ``target``, a plain tensor made by a factory in this clone forward, into a state clone of ``k`` blocks
     (in place: the same Python object) so that batch data can be written into it; ``False`` where that would not be
-    exact (see the module docstring): the caller raises its error."""
+    exact (see the module docstring)."""
     made = _MADE.get(id(target))
     if (k is None or type(target) is not torch.Tensor or made is None or made() is not target or target.requires_grad
             or target._base is not None or not _sole(target)):
@@ -133,3 +133,14 @@ def promoted(target: Any, k: Optional[int]) -> bool:
         track(target, phys)
     del _MADE[id(target)]
     return True
+
+
+def fill_or_refuse(target: Any, k: Optional[int], refusal: str) -> None:
+    """A write of ``k``-block batch data into the plain tensor ``target``: promote it (a tensor this forward made),
+    or raise :class:`jvpreg.clone.dispatch.BatchWriteError` with ``refusal`` (what the write was and what to do), why
+    a tensor this forward made was refused, and the state-write hint."""
+    if _promoted(target, k):
+        return
+    from .dispatch import STATE_WRITE_HINT, BatchWriteError
+
+    raise BatchWriteError(refusal + _why_not(target) + STATE_WRITE_HINT)

@@ -174,21 +174,16 @@ def write_back(func: Any, target: Any, out: Any) -> Any:
     """
     from torch._C import DisableTorchFunctionSubclass
 
-    from .dispatch import BatchWriteError
-
     if not is_clone(target):
         if not is_clone(out) or out._jvp_state:  # the same in every block: its primal, as a plain forward writes it
             with DisableTorchFunctionSubclass():
                 return target.copy_(out.as_subclass(torch.Tensor)[0] if is_clone(out) else out)
-        from .dispatch import STATE_WRITE_HINT
-        from .made_tensors import blocks_of, promoted, why_not
+        from .made_tensors import blocks_of, fill_or_refuse
 
-        if not promoted(target, blocks_of(out)):
-            raise BatchWriteError(
-                f"jvpreg clone mode: {op_name(func)} would write batch data into a tensor created outside the "
-                "batch. Create that tensor from the batch (e.g. torch.zeros_like(h) or h.new_zeros(...)) or use "
-                "the out-of-place op (collect pieces with torch.stack/torch.cat)." + why_not(target) + STATE_WRITE_HINT
-            )
+        fill_or_refuse(target, blocks_of(out),
+                       f"jvpreg clone mode: {op_name(func)} would write batch data into a tensor created outside the "
+                       "batch. Create that tensor from the batch (e.g. torch.zeros_like(h) or h.new_zeros(...)) or use "
+                       "the out-of-place op (collect pieces with torch.stack/torch.cat).")
 
     with DisableTorchFunctionSubclass():
         # a plain result (one that does not depend on the batch: addmm with beta = 0) is the same in every block

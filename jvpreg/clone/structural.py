@@ -15,9 +15,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_unflatten
 
 from . import tensor as tensor_module
-from .dispatch import (NOT_STATE, STATE_WRITE_HINT, BatchWriteError, UnsupportedOpError, _flat_clones, fallback,
-                       per_block, state_eval, state_write)
-from .made_tensors import blocks_of, promoted, why_not
+from .dispatch import NOT_STATE, UnsupportedOpError, _flat_clones, fallback, per_block, state_eval, state_write
+from .made_tensors import blocks_of, fill_or_refuse
 from .registry import COMPLEX_EXACT, maybe, op_name, register_handler, register_op, register_state
 from .tensor import (_METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, tile, varies, wrap,
                      wrap_tree)
@@ -249,12 +248,10 @@ def elementwise_inplace(func, args, kwargs):
         out = state_write(func, args, kwargs)
         if out is not NOT_STATE:
             return out
-        if not promoted(target, blocks_of(args[1:], kwargs)):
-            raise BatchWriteError(
-                f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
-                "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) "
-                "or use the out-of-place op." + why_not(target) + STATE_WRITE_HINT
-            )
+        fill_or_refuse(target, blocks_of(args[1:], kwargs),
+                       f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
+                       "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), "
+                       "h.new_zeros(...)) or use the out-of-place op.")
     flat, spec, idx = _flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
     a, k = tree_unflatten(align(flat, idx), spec)
@@ -763,12 +760,10 @@ def _setitem(func, args, kwargs):
     if not is_clone(x):
         if state_write(func, args, kwargs) is not NOT_STATE:
             return None
-        if not promoted(x, blocks_of(idx, value)):
-            raise BatchWriteError(
-                "jvpreg clone mode: `t[...] = h` writes batch data into a tensor created outside the batch. "
-                "Create `t` from the batch (e.g. torch.zeros_like(h), h.new_zeros(...)) or collect the pieces "
-                "with torch.stack/torch.cat." + why_not(x) + STATE_WRITE_HINT
-            )
+        fill_or_refuse(x, blocks_of(idx, value),
+                       "jvpreg clone mode: `t[...] = h` writes batch data into a tensor created outside the batch. "
+                       "Create `t` from the batch (e.g. torch.zeros_like(h), h.new_zeros(...)) or collect the pieces "
+                       "with torch.stack/torch.cat.")
     p = x.as_subclass(torch.Tensor)
     state = x._jvp_state and (not is_clone(value) or value._jvp_state)
     if _basic_index(idx):
@@ -795,11 +790,9 @@ def _copy_(func, args, kwargs):
         out = state_write(func, args, kwargs)
         if out is not NOT_STATE:
             return out
-        if not promoted(x, blocks_of(src)):
-            raise BatchWriteError(
-                "jvpreg clone mode: `t.copy_(h)` writes batch data into a tensor created outside the batch; "
-                "create `t` from the batch instead (torch.zeros_like(h))." + why_not(x) + STATE_WRITE_HINT
-            )
+        fill_or_refuse(x, blocks_of(src),
+                       "jvpreg clone mode: `t.copy_(h)` writes batch data into a tensor created outside the batch; "
+                       "create `t` from the batch instead (torch.zeros_like(h)).")
     p = x.as_subclass(torch.Tensor)
     if is_clone(src):
         s = src.as_subclass(torch.Tensor)
