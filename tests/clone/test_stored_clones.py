@@ -62,6 +62,35 @@ def test_stored_state_is_the_primal_after_the_forward(engine, detach, where):
     assert torch.equal(model(x), twin(x))  # a plain forward after the clone forwards reads a plain tensor
 
 
+class FilledBuffer(nn.Module):
+    """Stores a tensor it makes, then fills it with batch data (the write turns it into a clone batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.buf = torch.zeros(x.shape[0], 6, dtype=x.dtype)
+        self.buf[:, 1:5] = self.lin(x).tanh()
+        return self.buf.sin()
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured", "auto"])
+def test_a_made_tensor_stored_then_filled_is_the_primal_after_the_forward(engine):
+    torch.manual_seed(2)
+    model, twin = FilledBuffer().to(DT), FilledBuffer().to(DT)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4, dtype=DT)
+    for _ in range(2):
+        u = torch.randn_like(x)
+        want = torch.func.jvp(twin, (x,), (u,))[1]
+        y, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+        assert ((t - want).norm() / want.norm()).item() < 1e-12
+        assert torch.equal(y, twin(x))  # twin(x): what a plain forward stores
+        assert type(model.buf) is torch.Tensor and torch.equal(model.buf, twin.buf)
+    assert torch.equal(model(x), twin(x))
+
+
 def test_stored_clone_is_the_primal_also_when_the_forward_raises():
     class Raises(nn.Module):
         def forward(self, x):
