@@ -142,11 +142,20 @@ def _call(variant_fn, flat, spec, i, clone_self):
     return fn
 
 
-def cases(op, n_samples: int = N_SAMPLES) -> Iterator[Case]:
-    """The cases of one OpInfo (see module docstring)."""
+def strided(samples: list, every: int = 1) -> Iterator[tuple]:
+    """``(index, sample)`` of every ``every``-th sample, the last one included (a sweep's shorter form: the first
+    samples of an op are often 0-d tensors, the larger ones come later)."""
+    for si, s in enumerate(samples):
+        if si % every == 0 or si == len(samples) - 1:
+            yield si, s
+
+
+def cases(op, n_samples: int = N_SAMPLES, every: int = 1) -> Iterator[Case]:
+    """The cases of one OpInfo (see module docstring), of every ``every``-th of its first ``n_samples`` samples
+    (:func:`strided`; the case ids keep the samples' indices)."""
     torch.manual_seed(0)
     samples = list(itertools.islice(op.sample_inputs("cpu", D, requires_grad=False), n_samples))
-    for si, s in enumerate(samples):
+    for si, s in strided(samples, every):
         flat, spec = tree_flatten((s.input, tuple(s.args), dict(s.kwargs)))
         floats = [i for i, v in enumerate(flat) if _is_float(v) and v.dtype == D][:MAX_OPERANDS]
         definition = DEFINITIONS.get(op.name)
@@ -444,10 +453,11 @@ def check(fn: Callable, x: torch.Tensor, u: torch.Tensor | None = None) -> str:
     return "" if result.kind in ("rule", "fallback") else f"{result.kind}: {result.detail}"
 
 
-def run_op(op, n_samples: int = N_SAMPLES, engine: str = "eager") -> list:
-    """Every case of one OpInfo; a failure to build the samples is a ``skip`` of the whole op."""
+def run_op(op, n_samples: int = N_SAMPLES, engine: str = "eager", every: int = 1) -> list:
+    """Every case of one OpInfo (of every ``every``-th sample: :func:`cases`); a failure to build the samples is a
+    ``skip`` of the whole op."""
     try:
-        cs = list(cases(op, n_samples))
+        cs = list(cases(op, n_samples, every))
     except Exception as err:  # pragma: no cover - depends on the torch version
         return [Result(Case(op.name, "", -1, -1, None, None), "skip", f"samples failed: {err}")]
     return [run_case(c, engine=engine) for c in cs]
@@ -573,7 +583,7 @@ def _other_values(t: Any, kind: int, gen: torch.Generator) -> Any:
     return torch.randint(int(t.min()), int(t.max()) + 1, t.shape, generator=gen, dtype=t.dtype)
 
 
-def value_shaped(op, n_samples: int = N_SAMPLES) -> list:
+def value_shaped(op, n_samples: int = N_SAMPLES, every: int = 1) -> list:
     """``(aten op, sample, guarded)`` for each op in the recorded program of one of ``op``'s samples whose output
     shape changes with its arguments' *values*; ``guarded``: :func:`jvpreg.clone.guards.dynamic_shapes` (what the
     capture guards) holds it. One that it leaves out would make a program hold the recorded shape without a guard,
@@ -583,7 +593,7 @@ def value_shaped(op, n_samples: int = N_SAMPLES) -> list:
     the same shapes (:func:`_other_values`); the two programs' ops are compared in order up to the first op whose
     target, arguments' shapes or non-tensor arguments differ (the control flow parted). An op with the same
     arguments and another output shape is value-shaped. Values the op rejects (an index out of range), and samples
-    that cannot be recorded, are skipped."""
+    that cannot be recorded, are skipped. ``every``: every ``every``-th sample only (:func:`strided`)."""
     from .guards import dynamic_shapes
 
     dtype = _value_shape_dtype(op)
@@ -593,7 +603,7 @@ def value_shaped(op, n_samples: int = N_SAMPLES) -> list:
     except Exception:  # pragma: no cover - depends on the torch version
         return []
     found = set()
-    for si, s in enumerate(samples):
+    for si, s in strided(samples, every):
         flat, spec = tree_flatten((s.input, tuple(s.args), dict(s.kwargs)))
         pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.layout == torch.strided]
 
