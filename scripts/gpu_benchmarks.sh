@@ -6,7 +6,9 @@
 #   SMOKE=1 bash scripts/gpu_benchmarks.sh PART OUTDIR
 #                                                  the same commands on this CPU with tiny sizes and one round:
 #                                                  checks the plumbing before device time is spent on it
-#                                                  (time limits 4x, for this CPU)
+#                                                  (time limits 4x, for this CPU; part 1: the GPU target with the
+#                                                  2B forward and the clone engines only, one warm-up, and the
+#                                                  small-op models without torch.compile: minutes, not 15)
 #
 # On the device machine (torch, torchvision, Lightning and timm installed; no hydra, no wandb, no registry):
 #   run(command="bash scripts/gpu_benchmarks.sh 1 $OUT", timeout_s=600)
@@ -35,15 +37,16 @@ log="$out/gpu_part$part.log"
 mkdir -p "$out"
 
 if [ "${SMOKE:-0}" = 1 ]; then  # this CPU: tiny batches, one round, short limits scaled down with them
-    dev=cpu; rounds=1; repeats=1; big="--batch-size 1"; slower=4; paper_shapes=small; batches="2"
-    train_models="mlp200:8 resnet18:2 vit:2"
+    dev=cpu; rounds=1; repeats=1; big="--batch-size 1 --warmup 1"; slower=4; paper_shapes=small; batches="2"
+    train_models="mlp200:8 resnet18:2 vit:2"; gpu_methods=forward_2B,eager,captured; small_compile="--no-compile"
 else
     python - <<'EOF' || { echo "gpu_benchmarks.sh: torch sees no CUDA device (use SMOKE=1 on a CPU)" >&2; exit 2; }
 import torch, sys
 sys.exit(0 if torch.cuda.is_available() else 1)
 EOF
     dev=cuda; rounds=30; repeats=20; big=""; slower=1; paper_shapes=paper; batches="8 32 128"
-    train_models="resnet18:32 mlp200:64 vit:32"
+    train_models="resnet18:32 mlp200:64 vit:32"; gpu_methods=forward_B,forward_2B,eager,captured,torch.func.jvp,forward_ad
+    small_compile=""
 fi
 
 pack() {  # everything written so far, in one file (the device returns at most 8)
@@ -61,7 +64,6 @@ step() {  # step NAME SECONDS COMMAND...: one benchmark under its own time limit
     echo "=== $name: rc=$rc after $((SECONDS - t0))s" | tee -a "$log"
 }
 
-jvp_methods=forward_B,forward_2B,eager,captured,torch.func.jvp,forward_ad
 train_methods=plain,plain_2b,clone,clone_eager,double_backprop,func_jvp,plain_compiled,clone_compiled
 { echo "gpu_benchmarks.sh part $part, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
@@ -73,11 +75,11 @@ case $part in
     # and FlexAttention (no backward on the CPU); the result is in the log
     step gpu_tests 75 python -m pytest tests/clone/test_accelerator_path.py tests/clone/test_flex_attention.py -q \
         -p no:cacheprovider -rs -k "not cpu-accelerator-path"
-    step gpu_fp32 120 python -m jvpreg.bench capture --suites gpu --methods $jvp_methods --device $dev \
+    step gpu_fp32 120 python -m jvpreg.bench capture --suites gpu --methods $gpu_methods --device $dev \
         --rounds $rounds $big --no-progress --out "$res/bench_capture_gpu_fp32"
-    step gpu_bf16 120 python -m jvpreg.bench capture --suites gpu --methods $jvp_methods --device $dev \
+    step gpu_bf16 120 python -m jvpreg.bench capture --suites gpu --methods $gpu_methods --device $dev \
         --autocast bf16 --rounds $rounds $big --no-progress --out "$res/bench_capture_gpu_bf16"
-    step small_fp32 270 python -m jvpreg.bench capture --suites small --device $dev --rounds $rounds \
+    step small_fp32 270 python -m jvpreg.bench capture --suites small --device $dev --rounds $rounds $small_compile \
         --no-progress --out "$res/bench_capture_small_fp32"
     ;;
 2)
