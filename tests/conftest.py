@@ -7,9 +7,11 @@ with ``==``. Import it as ``from conftest import assert_tree_close`` (pytest put
 
 Slow tests (``@pytest.mark.slow``: the OpInfo sweep, DDP/FSDP workers, float32 whole-model checks,
 Hydra runs in subprocesses) are deselected unless ``--slow`` is given (or an explicit ``-m``):
-``python -m pytest tests -q`` is the quick run, ``python -m pytest tests -q --slow`` everything (CI).
+``python -m pytest tests -q`` is the quick run, ``python -m pytest tests -q --slow -n 2`` everything (CI).
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -84,6 +86,13 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n 2``: CI) each worker is one of two processes on two cores: one intra-op thread
+    each, or they fight over the cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def pytest_addoption(parser):
