@@ -67,7 +67,8 @@ def main(argv=None) -> int:
         sys.exit(f"{args.log}: no durations found; run pytest with --durations=0")
     total = sum(durations.values())
     walls = [float(m.group(1)) for m in map(WALL.search, lines[-5:]) if m]
-    print(f"{len(durations)} tests, {total / 60:.1f} min summed" + (f", {walls[-1] / 60:.1f} min wall" if walls else ""))
+    wall = f", {walls[-1] / 60:.1f} min wall" if walls else ""
+    print(f"{len(durations)} tests, {total / 60:.1f} min summed{wall}")
     print()
     print(table("file", group(durations, by_file), args.top, total))
     print()

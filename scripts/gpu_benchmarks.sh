@@ -45,8 +45,8 @@ import torch, sys
 sys.exit(0 if torch.cuda.is_available() else 1)
 EOF
     dev=cuda; rounds=30; repeats=20; big=""; slower=1; paper_shapes=paper; batches="8 32 128"
-    train_models="resnet18:32 mlp200:64 vit:32"; gpu_methods=forward_B,forward_2B,eager,captured,torch.func.jvp,forward_ad
-    small_compile=""
+    train_models="resnet18:32 mlp200:64 vit:32"; small_compile=""
+    gpu_methods=forward_B,forward_2B,eager,captured,torch.func.jvp,forward_ad
 fi
 
 pack() {  # everything written so far, in one file (the device returns at most 8)
