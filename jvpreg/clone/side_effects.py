@@ -13,8 +13,9 @@ outside them:
   capture puts the old values back (the call then runs eagerly, once) and runs such a forward in eager clone mode.
   A write of an equal number, string or flag (``self.flag = True`` on every call) changes nothing and is allowed;
   so is a cache that torch's modules rebuild from their parameters (weight and spectral norm's ``module.weight``, an
-  RNN's flat weights), which the trace's snapshot puts back. Changes inside a container (``self.log.append(h)``) are
-  not seen. Objects that modules hold (a Hugging Face config) are snapshotted too: a forward that sets
+  RNN's flat weights), which the trace's snapshot puts back. Changes inside a list or dict the modules hold
+  (``self.log.append(h)``, ``self.cache[key] = h``) are writes too (their items are compared by identity, or by
+  value where equal numbers, strings or flags). Objects that modules hold (a Hugging Face config) are snapshotted too: a forward that sets
   ``self.config.x`` runs eagerly as well.
 
 The attributes a forward *reads* (``self.p`` of a dropout, ``self.eps``, ``self.stride``, a flag, a function) steer
@@ -110,6 +111,8 @@ def _same(old: Any, new: Any) -> bool:
     number, string or flag (tuples of them too)."""
     if old is new:
         return True
+    if isinstance(old, _Items):
+        return old == new
     if isinstance(old, tuple) and isinstance(new, tuple):
         return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new))
     return type(old) is type(new) and isinstance(old, _PLAIN) and old == new
@@ -161,15 +164,20 @@ class Attributes:
     @staticmethod
     def _attributes(mod: Any) -> Dict[Tuple[str, str], Any]:
         if not isinstance(mod, nn.Module):
-            return {("", k): v for k, v in vars(mod).items()}
-        out = {("", k): v for k, v in vars(mod).items() if k not in ("_parameters", "_buffers", "_modules")}
-        out.update((("_parameters", k), v) for k, v in mod._parameters.items())
-        out.update((("_buffers", k), v) for k, v in mod._buffers.items())
-        out.update((("_modules", k), v) for k, v in mod._modules.items())
+            out = {("", k): v for k, v in vars(mod).items()}
+        else:
+            out = {("", k): v for k, v in vars(mod).items() if k not in ("_parameters", "_buffers", "_modules")}
+            out.update((("_parameters", k), v) for k, v in mod._parameters.items())
+            out.update((("_buffers", k), v) for k, v in mod._buffers.items())
+            out.update((("_modules", k), v) for k, v in mod._modules.items())
+        for (where, k), v in list(out.items()):  # the items of the lists and dicts held: an append is a write too
+            if where == "" and isinstance(v, (list, dict)):
+                out[(_ITEMS, k)] = _Items(v)
         return out
 
     def changed(self) -> List[str]:
-        """``module.attribute`` names the forward set since the snapshot (to a different value)."""
+        """``module.attribute`` names the forward set since the snapshot (to a different value), or whose list or dict
+        it changed (``module.attribute[...]``)."""
         names = []
         for (prefix, mod), before in zip(self.mods, self.before):
             after = self._attributes(mod)
@@ -177,18 +185,48 @@ class Attributes:
             for key in before.keys() | after.keys():
                 if key[1] in skip or _same(before.get(key, _MISSING), after.get(key, _MISSING)):
                     continue
-                names.append(f"{prefix or type(mod).__name__}.{key[1]}")
+                if key[0] == _ITEMS and (key not in before or key not in after or before[key].held is not after[key].held):
+                    continue  # a list or dict bound, rebound or unbound: named by the attribute itself
+                names.append(f"{prefix or type(mod).__name__}.{key[1]}{'[...]' if key[0] == _ITEMS else ''}")
         return sorted(names)
 
     def restore(self) -> None:
-        """Put every attribute back as it was at the snapshot (new ones removed): after every trace, so that neither
-        the trace's writes nor its rebuilt caches (tensors of the trace) stay on the model."""
+        """Put every attribute back as it was at the snapshot (new ones removed), and the items of the lists and dicts
+        held: after every trace, so that neither the trace's writes nor its rebuilt caches (tensors of the trace)
+        stay on the model."""
         for (_, mod), before in zip(self.mods, self.before):
             after = self._attributes(mod)
             for (where, name) in after.keys() - before.keys():
-                del (vars(mod) if where == "" else getattr(mod, where))[name]
+                if where != _ITEMS:
+                    del (vars(mod) if where == "" else getattr(mod, where))[name]
             for (where, name), value in before.items():
-                (vars(mod) if where == "" else getattr(mod, where))[name] = value
+                if where == _ITEMS:
+                    value.put_back()
+                else:
+                    (vars(mod) if where == "" else getattr(mod, where))[name] = value
+
+
+_ITEMS = "[items]"  # the key prefix of a held list's or dict's items in a snapshot
+
+
+class _Items:
+    """The items of a list or dict at a snapshot (the objects themselves, not copies)."""
+
+    def __init__(self, held: Any):
+        self.held = held
+        self.items = tuple(held.items()) if isinstance(held, dict) else tuple(held)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Items) and other.held is self.held and _same(self.items, other.items)
+
+    __hash__ = None
+
+    def put_back(self) -> None:
+        if isinstance(self.held, dict):
+            self.held.clear()
+            self.held.update(self.items)
+        else:
+            self.held[:] = self.items
 
 
 _MACHINERY = frozenset(vars(nn.Module())) | {"__dict__", "__class__"}  # nn.Module's own state (``training``: guarded)

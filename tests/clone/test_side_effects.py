@@ -146,6 +146,59 @@ def test_attributes_snapshot_names_and_restores_every_kind_of_write():
     assert model[0].weight is old_weight and model[1] is old_relu and model.buf is old_buf
 
 
+class _Logging(nn.Module):
+    """Appends its hidden state to a list and files it in a dict, as monitoring code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.log, self.by_shape, self.fixed = [], {}, [1, 2]
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        self.log.append(h.detach())
+        self.by_shape[tuple(x.shape)] = h.detach()
+        self.fixed[0] = 1  # the same number: no change
+        return h
+
+
+def test_a_forward_that_writes_into_a_list_or_dict_runs_eagerly_and_writes_once_per_call():
+    """Before: the trace's append was taken back with nothing named, so the program captured and its replays never
+    appended: the log stopped growing, silently."""
+    capture._WARNED.clear()
+    torch.manual_seed(0)
+    model, eager = _Logging().to(D), _Logging().to(D)
+    eager.load_state_dict(model.state_dict())
+    x = randn(4, 6)
+    for call in range(3):
+        u = randn(4, 6)
+        _, t_e = jvpreg.jvp(eager, (x,), (u,), engine="eager")
+        _, t_c, said = _calls(model, x, u, "captured")
+        if call == 0:
+            assert len(said) == 1 and "(_Logging.by_shape[...], _Logging.log[...])" in said[0], said
+        torch.testing.assert_close(t_c, t_e, rtol=0, atol=0)
+        assert len(model.log) == len(eager.log) == call + 1  # once per call: the trace's append was taken back
+        assert all(type(h) is torch.Tensor and torch.equal(h, g) for h, g in zip(model.log, eager.log))
+        assert list(model.by_shape) == [(4, 6)] and torch.equal(model.by_shape[(4, 6)], eager.by_shape[(4, 6)])
+    assert [p.gm is not None for p in capture.programs(model).values()] == [False]
+
+
+def test_attributes_snapshot_names_and_restores_the_items_of_lists_and_dicts():
+    model = nn.Linear(2, 2)
+    model.log, model.table, model.same = [torch.zeros(1)], {"a": 1}, [1.0, "x"]
+    log, table, first = model.log, model.table, model.log[0]
+    snap = Attributes(model)
+    model.log.append(torch.ones(1))
+    model.table["a"], model.table["b"] = 2, 3
+    model.same[0] = 1.0   # an equal number: no change
+    assert snap.changed() == ["Linear.log[...]", "Linear.table[...]"]
+    snap.restore()
+    assert snap.changed() == []
+    assert model.log is log and model.log == [first] and model.table is table and model.table == {"a": 1}
+    model.log = [torch.ones(1)]  # rebound: named once, by the attribute
+    assert snap.changed() == ["Linear.log"]
+
+
 @pytest.mark.parametrize("engine", ["auto", "compiled"])
 def test_every_engine_that_captures_checks_the_writes(engine, monkeypatch):
     monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
