@@ -241,7 +241,7 @@ class SharedForward:
             return self._bypass(a, k)
 
         plan = prepare(module, x, self._terms, targets=self._targets, forward=forward)
-        self._cm = plan.enter(module)
+        self._cm = plan.enter(module, watch=False)  # capture.call watches what it runs eagerly
         self._plan = plan
         self.batch_size = int(x.shape[0])
         return put(plan.x_in)

@@ -362,7 +362,7 @@ def call(func: Callable, args: Sequence[Any], kwargs: Mapping[str, Any] | None =
     args, kwargs = tuple(args), dict(kwargs or {})
     if engine != "eager" and isinstance(target, nn.Module):
         return capture.call(target, args, kwargs, engine=engine)
-    with functions.active(), capture.uncompiled(target):
+    with functions.active(target), capture.uncompiled(target):
         return target(*args, **kwargs)
 
 
@@ -446,7 +446,7 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
                             finite=True if finite else None,
                             fn=lambda *flat: _jvp_body(target, flat[:n], flat[n:2 * n], flat[-1], has_aux,
                                                        batched_tangents, where))
-    with functions.active(), capture.uncompiled(target):
+    with functions.active(target), capture.uncompiled(target):
         return _jvp_body(target, primals, tans, s, has_aux, batched_tangents, where)
 
 

@@ -830,10 +830,10 @@ def _run_eager(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, reaso
     """``fn`` in eager clone mode because of ``reason``: said once by a warning, except for a module that holds FSDP
     units, whose bodies are captured in turn (:mod:`jvpreg.clone.sharded_units`)."""
     if reason == SHARDED and sharded_units.has_fsdp2_units(module):
-        with functions.active(), uncompiled(module), sharded_units.routed(module, engine):
+        with functions.active(module), uncompiled(module), sharded_units.routed(module, engine):
             return fn(*args, **kwargs)
     _warn_eager(module, reason)
-    with functions.active(), uncompiled(module):
+    with functions.active(module), uncompiled(module):
         return fn(*args, **kwargs)
 
 
@@ -872,7 +872,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
             _warn_eager(module, IN_TRANSFORM)
         engine = "eager"
     if engine == "eager":
-        with functions.active(), uncompiled(module):
+        with functions.active(module), uncompiled(module):
             return fn(*args, **kwargs)
     rec = _RECORDS.get(module)
     if rec is None or not rec.valid():
@@ -911,7 +911,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
                 rec.seen.clear()
             rec.seen[key] = calls + 1
             sharded = _unsupported(module, rec, hooks_outside) == SHARDED and sharded_units.has_fsdp2_units(module)
-            with functions.active(), uncompiled(module), \
+            with functions.active(module), uncompiled(module), \
                     sharded_units.routed(module, engine) if sharded else contextlib.nullcontext():
                 return fn(*args, **kwargs)
         rec.seen.pop(key, None)
@@ -928,7 +928,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
                                     "(a program holds for one set of values)")
             elif engine == "auto" and base.misses.get(values, 0) < EAGER_CALLS_BEFORE_CAPTURE:
                 base.misses[values] = base.misses.get(values, 0) + 1  # values seen once: eager, unless they recur
-                with functions.active(), uncompiled(module):
+                with functions.active(module), uncompiled(module):
                     return fn(*args, **kwargs)
             else:
                 base.misses.pop(values, None)
@@ -966,7 +966,7 @@ def _capture(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], r
              compiled: bool) -> _Program:
     """Record a program for this call, or a program-less record that says why it cannot be captured."""
     try:
-        with functions.active(), uncompiled(module), _setting(_tensor._COMPILING, compiled):
+        with functions.active(module), uncompiled(module), _setting(_tensor._COMPILING, compiled):
             return _trace(module, fn, in_spec, leaves, rec, slot_values)
     except CaptureError as err:
         return _Program(gm=None, reason=str(err))

@@ -12,11 +12,12 @@ arguments go straight to the original ``apply``.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
+from . import stored_clones
 from .dispatch import fallback
 from .tensor import _ACTIVE, _CAPTURING, _TRANSFORM_LEVEL, iter_clones
 
@@ -53,12 +54,16 @@ class _FunctionCall:
 
 
 @contextlib.contextmanager
-def active() -> Iterator[None]:
-    """Scope of a clone forward (reentrant): ``Function.apply`` is routed for clone arguments inside it."""
+def active(called: Any = None) -> Iterator[None]:
+    """Scope of a clone forward (reentrant): ``Function.apply`` is routed for clone arguments inside it; ``called``
+    (the module or function the forward runs) has the clone batches its forward stores on its modules replaced by
+    their primals at the end (:mod:`jvpreg.clone.stored_clones`)."""
     if _ACTIVE[0] == 0:
         top = torch._C._functorch.peek_interpreter_stack()
         _TRANSFORM_LEVEL[0] = -1 if top is None else top.level()
         _install()
+    if called is not None:
+        stored_clones.watch(called)
     _ACTIVE[0] += 1
     try:
         yield
@@ -102,7 +107,7 @@ _HOOKS: list = []  # (install, uninstall) of the other global routes a clone for
 
 def _hooks() -> list:
     if not _HOOKS:
-        from . import checkpointing, compiled_code, made_tensors, nested_transforms, stored_clones, torchscript
+        from . import checkpointing, compiled_code, made_tensors, nested_transforms, torchscript
         from .rules import flex_attention
 
         _HOOKS.extend([(checkpointing.install, checkpointing.uninstall),
@@ -111,8 +116,12 @@ def _hooks() -> list:
                        (torchscript.install, torchscript.uninstall),
                        (nested_transforms.install, nested_transforms.uninstall),
                        (made_tensors.install, made_tensors.uninstall),
-                       (stored_clones.install, stored_clones.uninstall)])
+                       (_nothing, stored_clones.release)])
     return _HOOKS
+
+
+def _nothing() -> None:
+    pass
 
 
 def _install() -> None:

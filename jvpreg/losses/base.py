@@ -306,13 +306,17 @@ class Plan:
     sharded: Dict[str, torch.Tensor] = field(default_factory=dict)  # FSDP2 name -> directions (k, *W.shape)
 
     @contextlib.contextmanager
-    def swapped(self, model: nn.Module) -> Iterator[None]:
+    def swapped(self, model: nn.Module, *, watch: bool = True) -> Iterator[None]:
         """Context in which ``model``'s perturbed parameters are their clones (FSDP2-sharded ones are cloned
-        from their unsharded values inside the forward, :func:`jvpreg.losses.sharded.swapped_unsharded`)."""
+        from their unsharded values inside the forward, :func:`jvpreg.losses.sharded.swapped_unsharded`).
+
+        ``watch``: the forward inside runs ``model`` itself (eager clone mode), so the clone batches it stores on its
+        modules are made their primals at the end (:mod:`jvpreg.clone.stored_clones`); ``False`` where the forward
+        inside is :func:`jvpreg.clone.call`, which does that for the calls it does not replay."""
         with contextlib.ExitStack() as stack:
             # a clone forward from here on: model hooks around the swapped call (FSDP2's post-forward)
             # read the clone output before it is unpacked
-            stack.enter_context(_functions.active())
+            stack.enter_context(_functions.active(model if watch else None))
             if self.params:
                 named = _named_tensors(model)
                 stack.enter_context(_api.swapped_tensors(model, {named[n]: c for n, c in self.params.items()}))
@@ -320,9 +324,9 @@ class Plan:
                 stack.enter_context(_sharded.swapped_unsharded(model, self.sharded, self.scales))
             yield
 
-    def enter(self, model: nn.Module):
+    def enter(self, model: nn.Module, *, watch: bool = True):
         """Enter :meth:`swapped` by hand (forward hooks); returns the context manager to exit."""
-        cm = self.swapped(model)
+        cm = self.swapped(model, watch=watch)
         cm.__enter__()
         return cm
 
@@ -604,7 +608,7 @@ def _run(model, x, terms, target, args, kwargs, engine="auto"):
     engine = _capture.resolve_engine(engine, model, "regularized_forward(model, x, penalties)")
     model = _capture.unwrap_compiled(model)
     plan = prepare(model, x, terms, target=target, forward=lambda z: model(z, *args, **kwargs))
-    with plan.swapped(model):
+    with plan.swapped(model, watch=False):
         raw = _api.call(model, (plan.x_in, *args), kwargs, engine=engine)
     out, values = plan.finish(raw)
     parts = {slot.name: v for slot, v in zip(plan.slots, values)}
