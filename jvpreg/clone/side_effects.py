@@ -15,8 +15,8 @@ outside them:
   so is a cache that torch's modules rebuild from their parameters (weight and spectral norm's ``module.weight``, an
   RNN's flat weights), which the trace's snapshot puts back. Changes inside a list or dict the modules hold
   (``self.log.append(h)``, ``self.cache[key] = h``) are writes too (their items are compared by identity, or by
-  value where equal numbers, strings or flags). Objects that modules hold (a Hugging Face config) are snapshotted too: a forward that sets
-  ``self.config.x`` runs eagerly as well.
+  value where equal numbers, strings or flags). Objects that modules hold (a Hugging Face config) are snapshotted
+  too: a forward that sets ``self.config.x`` runs eagerly as well.
 
 The attributes a forward *reads* (``self.p`` of a dropout, ``self.eps``, ``self.stride``, a flag, a function) steer
 what the trace records, so the program holds for their values only. :class:`AttributeReads` records them during the
@@ -185,7 +185,8 @@ class Attributes:
             for key in before.keys() | after.keys():
                 if key[1] in skip or _same(before.get(key, _MISSING), after.get(key, _MISSING)):
                     continue
-                if key[0] == _ITEMS and (key not in before or key not in after or before[key].held is not after[key].held):
+                if key[0] == _ITEMS and (key not in before or key not in after
+                                         or before[key].held is not after[key].held):
                     continue  # a list or dict bound, rebound or unbound: named by the attribute itself
                 names.append(f"{prefix or type(mod).__name__}.{key[1]}{'[...]' if key[0] == _ITEMS else ''}")
         return sorted(names)

@@ -4,10 +4,11 @@ A forward may keep a tensor on a module for later (``self.attn_map = attn.detach
 ``self.mem = h.detach()`` read by the next call, ``self.log.append(h)``). In a clone forward that tensor is a clone
 batch; left there, it outlives the forward: the next plain forward that reads it raises (a clone batch outside a
 clone forward), and the next clone forward would read the *previous* call's tangent blocks as its own. When the
-outermost clone forward ends (also by an error), every module of the trees that an eager clone forward or a trace ran
-(:func:`watch`; a replayed program runs no Python, so it stores nothing) is searched: its attributes, its buffers, and the lists, tuples and dicts they hold (three levels deep); each clone
-batch found is replaced by its primal block, the value a plain forward would have stored (a view of block 0: with its
-autograd history where it has one). A stored value is then a constant of the next call, as ``torch.func.jvp`` has
+outermost clone forward ends (also by an error), every module of the trees that an eager clone forward or a trace
+ran (:func:`watch`; a replayed program runs no Python, so it stores nothing) is searched: its attributes, its
+buffers, and the lists, tuples and dicts they hold (three levels deep); each clone batch found is replaced by its
+primal block, the value a plain forward would have stored (a view of block 0: with its autograd history where it
+has one). A stored value is then a constant of the next call, as ``torch.func.jvp`` has
 it. A tensor the forward made and stored before filling it (``self.buf = torch.zeros(...); self.buf[...] = h``) is
 a clone batch by then (:mod:`jvpreg.clone.made_tensors`) and is found as well.
 
@@ -29,7 +30,7 @@ from torch._C import DisableTorchFunctionSubclass
 from .tensor import CloneTensor
 
 _ROOTS: List[nn.Module] = []  # the modules the eager clone forward under way was called on
-_SKIPPED = frozenset({"_parameters", "_modules"})  # nn.Module's registries (swapped parameters are put back by the swap)
+_SKIPPED = frozenset({"_parameters", "_modules"})  # parameters (a swapped-in clone is put back by its swap), submodules
 _DEPTH = 3  # containers searched inside containers
 _NESTED = frozenset({list, tuple, dict})
 
