@@ -362,7 +362,7 @@ def call(func: Callable, args: Sequence[Any], kwargs: Mapping[str, Any] | None =
     args, kwargs = tuple(args), dict(kwargs or {})
     if engine != "eager" and isinstance(target, nn.Module):
         return capture.call(target, args, kwargs, engine=engine)
-    with functions.active(target), capture.uncompiled(target):
+    with functions.active(target, (args, kwargs)), capture.uncompiled(target):
         return target(*args, **kwargs)
 
 

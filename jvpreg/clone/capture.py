@@ -568,6 +568,8 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                     _tensor.track(slot_values[j], t)
             args, kwargs = (tuple(new_leaves), {}) if type(in_spec) is int else tree_unflatten(new_leaves, in_spec)
             out = fn(*args, **kwargs)
+            if type(in_spec) is not int:  # the trace's own copies of the lists and dicts passed in: a replay
+                out_meta["argument_writes"] = _argument_writes(args, kwargs, new_leaves, in_spec)  # writes none
             out_leaves, out_spec = tree_flatten(out)
             kinds, tensors = [], []
             for leaf in out_leaves:
@@ -593,7 +595,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     inputs += [_phys(slot_values[j]) for j in slot_pos]
     device = next((t.device for t in inputs), torch.device("cpu"))
     objects = argument_objects(leaves)  # signed by identity: kept alive, so an equal id is the same object
-    generators, attributes = Generators(module, device), Attributes(module)
+    generators, attributes = Generators(module, device), Attributes(module, objects)
     attribute_reads = AttributeReads(module, objects)  # the objects passed in are read like the modules
     module_globals = Globals(module)
     with _restored_state(module, generators), warnings.catch_warnings(), _no_gc():
@@ -613,6 +615,9 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         raise CaptureError(f"its forward sets Python attributes or module globals ({', '.join(written[:4])}"
                            f"{' ...' if len(written) > 4 else ''}), which a replay would not set (if only its first "
                            "calls set them, e.g. a cache, call jvpreg.clone.capture.reset(model) after those)")
+    if out_meta.get("argument_writes"):
+        raise CaptureError(f"its forward writes into a list or dict it is given ({out_meta['argument_writes']}), "
+                           "which a replay would not (return what it writes there instead)")
     if any(not generators.holds(g) for g in held_generators(gm)):
         raise CaptureError("its forward draws random numbers from a torch.Generator that is not an attribute of "
                            "the model (one made inside the forward, or held elsewhere), which a captured program "
@@ -651,6 +656,15 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                     reads=attribute_reads.checks(rec.root()) + module_globals.checks(),
                     guard=guard,
                     replay=replay)
+
+
+def _argument_writes(args: tuple, kwargs: dict, leaves: List[Any], in_spec: Any) -> str:
+    """Where the forward wrote into the lists and dicts it was passed (an item set, added or removed), or ``""``."""
+    after, spec = tree_flatten((args, kwargs))
+    if spec != in_spec:
+        return "an item added or removed"
+    at = [i for i, (a, b) in enumerate(zip(after, leaves)) if a is not b]
+    return f"the argument leaves {at[:4]} replaced" if at else ""
 
 
 def _same_rng(a: Tuple[torch.Tensor, ...], b: Tuple[torch.Tensor, ...]) -> bool:
@@ -830,10 +844,10 @@ def _run_eager(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, reaso
     """``fn`` in eager clone mode because of ``reason``: said once by a warning, except for a module that holds FSDP
     units, whose bodies are captured in turn (:mod:`jvpreg.clone.sharded_units`)."""
     if reason == SHARDED and sharded_units.has_fsdp2_units(module):
-        with functions.active(module), uncompiled(module), sharded_units.routed(module, engine):
+        with functions.active(module, (args, kwargs)), uncompiled(module), sharded_units.routed(module, engine):
             return fn(*args, **kwargs)
     _warn_eager(module, reason)
-    with functions.active(module), uncompiled(module):
+    with functions.active(module, (args, kwargs)), uncompiled(module):
         return fn(*args, **kwargs)
 
 
@@ -872,7 +886,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
             _warn_eager(module, IN_TRANSFORM)
         engine = "eager"
     if engine == "eager":
-        with functions.active(module), uncompiled(module):
+        with functions.active(module, (args, kwargs)), uncompiled(module):
             return fn(*args, **kwargs)
     rec = _RECORDS.get(module)
     if rec is None or not rec.valid():
@@ -911,7 +925,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
                 rec.seen.clear()
             rec.seen[key] = calls + 1
             sharded = _unsupported(module, rec, hooks_outside) == SHARDED and sharded_units.has_fsdp2_units(module)
-            with functions.active(module), uncompiled(module), \
+            with functions.active(module, (args, kwargs)), uncompiled(module), \
                     sharded_units.routed(module, engine) if sharded else contextlib.nullcontext():
                 return fn(*args, **kwargs)
         rec.seen.pop(key, None)
@@ -928,7 +942,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
                                     "(a program holds for one set of values)")
             elif engine == "auto" and base.misses.get(values, 0) < EAGER_CALLS_BEFORE_CAPTURE:
                 base.misses[values] = base.misses.get(values, 0) + 1  # values seen once: eager, unless they recur
-                with functions.active(module), uncompiled(module):
+                with functions.active(module, (args, kwargs)), uncompiled(module):
                     return fn(*args, **kwargs)
             else:
                 base.misses.pop(values, None)

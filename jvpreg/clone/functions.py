@@ -54,16 +54,17 @@ class _FunctionCall:
 
 
 @contextlib.contextmanager
-def active(called: Any = None) -> Iterator[None]:
-    """Scope of a clone forward (reentrant): ``Function.apply`` is routed for clone arguments inside it; ``called``
-    (the module or function the forward runs) has the clone batches its forward stores on its modules replaced by
-    their primals at the end (:mod:`jvpreg.clone.stored_clones`)."""
+def active(called: Any = None, arguments: Any = ()) -> Iterator[None]:
+    """Scope of a clone forward (reentrant): ``Function.apply`` is routed for clone arguments inside it; the clone
+    batches the forward stores on the modules of ``called`` (the module or function it runs) and into the lists and
+    dicts among ``arguments`` (its ``(args, kwargs)``) are replaced by their primals at the end
+    (:mod:`jvpreg.clone.stored_clones`)."""
     if _ACTIVE[0] == 0:
         top = torch._C._functorch.peek_interpreter_stack()
         _TRANSFORM_LEVEL[0] = -1 if top is None else top.level()
         _install()
-    if called is not None:
-        stored_clones.watch(called)
+    if called is not None or arguments:
+        stored_clones.watch(called, arguments)
     _ACTIVE[0] += 1
     try:
         yield

@@ -45,7 +45,7 @@ import os
 import sys
 import sysconfig
 import types
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -155,10 +155,14 @@ def held_objects(module: nn.Module) -> List[Tuple[str, Any]]:
 
 class Attributes:
     """A snapshot of the Python attributes (``vars``) of every module of ``module``, parameters and buffers
-    included (rebinding one is a write too), and of the objects the modules hold (:func:`held_objects`)."""
+    included (rebinding one is a write too), of the objects the modules hold (:func:`held_objects`), and of
+    ``objects`` (those the call passes in: :func:`argument_objects`)."""
 
-    def __init__(self, module: nn.Module):
-        self.mods = list(module.named_modules(remove_duplicate=True)) + held_objects(module)
+    def __init__(self, module: nn.Module, objects: Sequence[Any] = ()):
+        held = held_objects(module)
+        known = {id(o) for _, o in held}
+        self.mods = (list(module.named_modules(remove_duplicate=True)) + held
+                     + [(f"argument {type(o).__name__}", o) for o in objects if id(o) not in known])
         self.before = [self._attributes(mod) for _, mod in self.mods]
 
     @staticmethod

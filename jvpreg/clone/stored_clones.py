@@ -1,50 +1,64 @@
 """Clone batches a forward stores on its modules are their primal once it returns.
 
 A forward may keep a tensor on a module for later (``self.attn_map = attn.detach()`` for a plot, a recurrent memory
-``self.mem = h.detach()`` read by the next call, ``self.log.append(h)``). In a clone forward that tensor is a clone
-batch; left there, it outlives the forward: the next plain forward that reads it raises (a clone batch outside a
-clone forward), and the next clone forward would read the *previous* call's tangent blocks as its own. When the
-outermost clone forward ends (also by an error), every module of the trees that an eager clone forward or a trace
-ran (:func:`watch`; a replayed program runs no Python, so it stores nothing) is searched: its attributes, its
-buffers, and the lists, tuples and dicts they hold (three levels deep); each clone batch found is replaced by its
-primal block, the value a plain forward would have stored (a view of block 0: with its autograd history where it
-has one). A stored value is then a constant of the next call, as ``torch.func.jvp`` has
-it. A tensor the forward made and stored before filling it (``self.buf = torch.zeros(...); self.buf[...] = h``) is
-a clone batch by then (:mod:`jvpreg.clone.made_tensors`) and is found as well.
+``self.mem = h.detach()`` read by the next call, ``self.log.append(h)``) or put it into what it was passed
+(``forward(x, aux_losses)`` appending to ``aux_losses``). In a clone forward that tensor is a clone batch; left
+there, it outlives the forward: the next plain forward that reads it raises (a clone batch outside a clone forward),
+and the next clone forward would read the *previous* call's tangent blocks as its own.
+
+When the outermost clone forward ends (also by an error), what an eager clone forward or a trace ran (:func:`watch`;
+a replayed program runs no Python, so it stores nothing) is searched: every module of the called modules' trees (its
+attributes, its buffers, and the lists, tuples and dicts they hold, three levels deep), and the lists and dicts the
+call was passed and the fields of the objects it was passed (the clone batches they held when passed in stay). Each
+clone batch found is replaced by its primal block, the value a plain forward would have stored (a view of block 0:
+with its autograd history where it has one). A stored value is then a constant of the next call, as
+``torch.func.jvp`` has it. A tensor the forward made and stored before filling it (``self.buf = torch.zeros(...);
+self.buf[...] = h``) is a clone batch by then (:mod:`jvpreg.clone.made_tensors`) and is found as well.
 
 Searched afterwards rather than noted when stored: catching ``nn.Module.__setattr__`` means assigning it on the
 class, which re-derives the slot of each of its hundreds of subclasses (0.3-0.6 ms per clone forward, more than a
 small model's whole JVP), and would not see ``self.__dict__[name] = h`` or ``self.log.append(h)``.
 
 Not seen: stores on a module outside the called modules' trees (for a function: outside the modules its closure or
-bound ``self`` holds), in an object that is not a module, list, tuple or dict, or in a hook's closure.
+bound ``self`` holds), in an object that is neither passed in, nor a module, list, tuple or dict, or in a hook's
+closure.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Set, Tuple
 
 import torch
 from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 
+from .side_effects import is_held_object
 from .tensor import CloneTensor
 
 _ROOTS: List[nn.Module] = []  # the modules the eager clone forward under way was called on
+_ARGUMENTS: List[Tuple[Any, Set[int]]] = []  # (a list or dict passed to it, ids of the clone batches it held then)
 _SKIPPED = frozenset({"_parameters", "_modules"})  # parameters (a swapped-in clone is put back by its swap), submodules
 _DEPTH = 3  # containers searched inside containers
 _NESTED = frozenset({list, tuple, dict})
 
 
-def watch(fn: Any) -> None:
-    """Search the modules ``fn`` runs (a module, a bound method's module, the modules a function's closure holds)
-    when the outermost clone forward ends (a replayed program stores nothing: only eager forwards and traces)."""
+def watch(fn: Any, arguments: Any = ()) -> None:
+    """Search the modules ``fn`` runs (a module, a bound method's module, the modules a function's closure holds),
+    and the lists and dicts among ``arguments`` (the call's ``(args, kwargs)``), when the outermost clone forward
+    ends (a replayed program stores nothing: only eager forwards and traces)."""
     for root in _modules_of(fn):
         if not any(r is root for r in _ROOTS):
             _ROOTS.append(root)
+    for container in _mutable(arguments, _DEPTH):
+        if not any(c is container for c, _ in _ARGUMENTS):  # the clone batches passed in stay (the call's inputs)
+            _ARGUMENTS.append((container, {id(v) for v in _items(container) if type(v) is CloneTensor}))
 
 
 def release() -> None:
     """Replace every clone batch stored on the watched modules by its primal (leaving the outermost clone forward)."""
+    if _ARGUMENTS:
+        arguments, _ARGUMENTS[:] = list(_ARGUMENTS), []
+        for container, passed in arguments:
+            _released(container, _DEPTH, keep=passed)
     if not _ROOTS:
         return
     stack, _ROOTS[:] = list(_ROOTS), []
@@ -88,18 +102,38 @@ def _primal(value: CloneTensor) -> torch.Tensor:
         return value.as_subclass(torch.Tensor)[0]
 
 
-def _released(container: Any, depth: int) -> Any:
+def _mutable(value: Any, depth: int) -> List[Any]:
+    """The lists and dicts in ``value`` (inside lists, tuples and dicts, ``depth`` levels deep), and the attribute
+    dicts of the objects with fields there (an options object the forward sets ``opts.last = h`` on)."""
+    kind = type(value)
+    if depth == 0:
+        return []
+    if kind not in _NESTED:
+        return [vars(value)] if is_held_object(value) else []
+    found = [value] if kind is not tuple else []
+    for item in _items(value):
+        found += _mutable(item, depth - 1)
+    return found
+
+
+def _items(container: Any) -> Any:
+    return container.values() if type(container) is dict else container
+
+
+def _released(container: Any, depth: int, keep: frozenset = frozenset()) -> Any:
     """``container`` (a list, tuple or dict) with its clone batches replaced by their primals: a list or dict in place,
     a tuple rebuilt where one of its items changed (containers of exactly those types: a named tuple or an
-    ``OrderedDict`` is left alone)."""
+    ``OrderedDict`` is left alone); those whose ``id`` is in ``keep`` stay."""
     pairs = container.items() if type(container) is dict else enumerate(container)
     changed = None
     for key, item in pairs:
         kind = type(item)
         if kind is CloneTensor:
+            if id(item) in keep:
+                continue
             new = _primal(item)
         elif kind in _NESTED and depth > 1:
-            new = _released(item, depth - 1)
+            new = _released(item, depth - 1, keep)
             if new is item:
                 continue
         else:

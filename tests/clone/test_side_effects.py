@@ -199,6 +199,92 @@ def test_attributes_snapshot_names_and_restores_the_items_of_lists_and_dicts():
     assert snap.changed() == ["Linear.log"]
 
 
+class _AuxLosses(nn.Module):
+    """Appends an auxiliary loss to the list it is passed and notes its hidden state on an options object, as a
+    mixture of experts' load-balancing loss is collected."""
+
+    def __init__(self, writes):
+        super().__init__()
+        self.lin, self.head, self.writes = nn.Linear(6, 8), nn.Linear(8, 3), writes
+
+    def forward(self, x, aux, opts):
+        h = torch.tanh(self.lin(x))
+        if self.writes == "list":
+            aux.append(h.pow(2).mean())
+        else:
+            opts.last = h.detach()
+        return self.head(h)
+
+
+class _Opts:
+    pass
+
+
+@pytest.mark.parametrize("writes, said_when_captured", [("list", "writes into a list or dict it is given"),
+                                                         ("object", "module globals (argument _Opts.last)")])
+@pytest.mark.parametrize("engine", ["auto", "captured", "eager"])
+def test_a_forward_that_writes_into_what_it_is_passed_writes_plain_values_once_per_call(engine, writes,
+                                                                                       said_when_captured):
+    """The callbacks' path. Before: the trace wrote into its own copy of the list, so the program captured and its
+    replays never appended (the auxiliary loss silently left out of training); the eager calls appended a clone
+    batch, which the training loss could not read."""
+    from jvpreg.callbacks.shared import SharedForward
+    from jvpreg.losses import JacobianFrobenius
+
+    capture._WARNED.clear()
+    torch.manual_seed(0)
+    model, plain = _AuxLosses(writes).to(D), _AuxLosses(writes).to(D)
+    plain.load_state_dict(model.state_dict())
+    shared = SharedForward(model, engine=engine)
+    said_all = []
+    for _ in range(3):
+        x = randn(4, 6)
+        aux, opts, aux_plain, opts_plain = [], _Opts(), [], _Opts()
+        shared.arm([(JacobianFrobenius(1), 1.0, 1.0)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model(x, aux, opts)
+            shared.total()
+        shared.disarm()
+        said = [str(w.message) for w in caught if issubclass(w.category, JVPCaptureWarning)]
+        torch.testing.assert_close(out, plain(x, aux_plain, opts_plain), rtol=0, atol=1e-12)
+        if writes == "list":
+            assert len(aux) == 1 and type(aux[0]) is torch.Tensor and aux[0].requires_grad
+            torch.testing.assert_close(aux[0], aux_plain[0], rtol=0, atol=1e-12)
+        else:
+            assert type(opts.last) is torch.Tensor and torch.allclose(opts.last, opts_plain.last, rtol=0, atol=1e-12)
+        said_all += said
+    if engine == "captured":  # auto: a new options object is a new call signature, which runs eagerly first
+        assert len(said_all) == 1 and said_when_captured in said_all[0], said_all
+    else:
+        assert said_all == [], said_all
+    assert all(p.gm is None for p in capture.programs(model).values())
+
+
+def test_an_argument_objects_fields_are_in_the_attributes_snapshot():
+    model, opts = nn.Linear(2, 2), _Opts()
+    opts.scale = 1.0
+    snap = Attributes(model, [opts])
+    opts.scale, opts.last = 2.0, torch.ones(1)
+    assert snap.changed() == ["argument _Opts.last", "argument _Opts.scale"]
+    snap.restore()
+    assert vars(opts) == {"scale": 1.0}
+
+
+def test_clone_batches_passed_in_a_list_stay_in_it():
+    """``jvpreg.clone.call(model, ([x_clone],))``: the caller's list holds its clone input after the call."""
+    class SumOfList(nn.Module):
+        def forward(self, xs):
+            xs.append(xs[0].sin())
+            return xs[0] * xs[1]
+
+    x, u = randn(3, 2), randn(1, 3, 2)
+    (xc,), _ = jvpreg.clone.pack((x,), (u,))
+    xs = [xc]
+    jvpreg.clone.call(SumOfList(), (xs,), engine="eager")
+    assert xs[0] is xc and len(xs) == 2 and type(xs[1]) is torch.Tensor and torch.equal(xs[1], x.sin())
+
+
 @pytest.mark.parametrize("engine", ["auto", "compiled"])
 def test_every_engine_that_captures_checks_the_writes(engine, monkeypatch):
     monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
