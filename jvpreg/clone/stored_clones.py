@@ -48,9 +48,11 @@ def watch(fn: Any, arguments: Any = ()) -> None:
     for root in _modules_of(fn):
         if not any(r is root for r in _ROOTS):
             _ROOTS.append(root)
-    for container in _mutable(arguments, _DEPTH):
-        if not any(c is container for c, _ in _ARGUMENTS):  # the clone batches passed in stay (the call's inputs)
-            _ARGUMENTS.append((container, {id(v) for v in _items(container) if type(v) is CloneTensor}))
+    containers = _mutable(arguments, _DEPTH + 2)  # (args, kwargs) and args: two levels of the call's own
+    if containers:
+        passed = set()  # the clone batches passed in stay where they are (the call's inputs), as deep as searched
+        _clone_ids(arguments, 2 * _DEPTH + 2, passed)
+        _ARGUMENTS.extend((c, passed) for c in containers if not any(c is d for d, _ in _ARGUMENTS))
 
 
 def release() -> None:
@@ -114,6 +116,17 @@ def _mutable(value: Any, depth: int) -> List[Any]:
     for item in _items(value):
         found += _mutable(item, depth - 1)
     return found
+
+
+def _clone_ids(value: Any, depth: int, into: Set[int]) -> None:
+    kind = type(value)
+    if kind is CloneTensor:
+        into.add(id(value))
+    elif kind in _NESTED and depth > 0:
+        for item in _items(value):
+            _clone_ids(item, depth - 1, into)
+    elif depth > 0 and is_held_object(value):
+        _clone_ids(vars(value), depth, into)
 
 
 def _items(container: Any) -> Any:

@@ -274,15 +274,19 @@ def test_an_argument_objects_fields_are_in_the_attributes_snapshot():
 def test_clone_batches_passed_in_a_list_stay_in_it():
     """``jvpreg.clone.call(model, ([x_clone],))``: the caller's list holds its clone input after the call."""
     class SumOfList(nn.Module):
-        def forward(self, xs):
+        def forward(self, xs, opts):
             xs.append(xs[0].sin())
-            return xs[0] * xs[1]
+            xs[1][0].append(xs[1][0][0].cos())
+            return xs[0] * xs[2] * xs[1][0][1] + opts.w
 
     x, u = randn(3, 2), randn(1, 3, 2)
-    (xc,), _ = jvpreg.clone.pack((x,), (u,))
-    xs = [xc]
-    jvpreg.clone.call(SumOfList(), (xs,), engine="eager")
-    assert xs[0] is xc and len(xs) == 2 and type(xs[1]) is torch.Tensor and torch.equal(xs[1], x.sin())
+    (xc, zc, wc), _ = jvpreg.clone.pack((x, x + 1, x + 2), (u, u, u))
+    xs, opts = [xc, ([zc],)], _Opts()  # a clone input in a list inside a tuple inside the list too
+    opts.w = wc  # and one an object passed in holds
+    jvpreg.clone.call(SumOfList(), (xs, opts), engine="eager")
+    assert xs[0] is xc and xs[1][0][0] is zc and opts.w is wc
+    assert type(xs[2]) is torch.Tensor and torch.equal(xs[2], x.sin())
+    assert type(xs[1][0][1]) is torch.Tensor and torch.equal(xs[1][0][1], (x + 1).cos())
 
 
 @pytest.mark.parametrize("engine", ["auto", "compiled"])
