@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import capture, functions
+from . import capture, functions, stored_clones
 from .compiled_code import between_graphs
 from .device_paths import on_host
 from .dispatch import UnsupportedOpError, check_not_custom_output
@@ -285,6 +285,7 @@ def unpack(out: Any, scales: torch.Tensor, *, batched: bool = True) -> tuple:
         if isinstance(leaf, torch.Tensor):
             z = torch.zeros((k, *leaf.shape) if batched else leaf.shape, dtype=leaf.dtype, device=leaf.device)
             return leaf, z
+        stored_clones.release_object(leaf)  # its tensors: their primal, as a plain forward returns them
         return leaf, None
 
     leaves, spec = tree_flatten(out)

@@ -116,7 +116,7 @@ from .dispatch import _FALLBACK
 from .guards import Guard, ValueReads, dynamic_shapes, split
 from .replay import replay_function
 from .side_effects import (AttributeReads, Attributes, Generators, Globals, argument_objects, changed,
-                           held_generators, hold)
+                           held_generators, hold, is_held_object)
 from .passes import largest_magnitude, optimize
 from .tensor import _ANY_AUTOCAST, CloneTensor
 
@@ -581,6 +581,8 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                     tensors.append(leaf)
                 else:
                     kinds.append(("const", leaf))
+                    if _holds_tensor(leaf, 4):
+                        out_meta.setdefault("objects_with_tensors", []).append(type(leaf).__name__)
             out_meta["spec"], out_meta["kinds"] = out_spec, tuple(kinds)
             # one C-level copy: a weakref callback cannot run midway (no tracker in some torch: no check)
             tracked = list(getattr(getattr(tracer, "tensor_tracker", None), "data", {}).items())
@@ -615,6 +617,10 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         raise CaptureError(f"its forward sets Python attributes or module globals ({', '.join(written[:4])}"
                            f"{' ...' if len(written) > 4 else ''}), which a replay would not set (if only its first "
                            "calls set them, e.g. a cache, call jvpreg.clone.capture.reset(model) after those)")
+    if out_meta.get("objects_with_tensors"):
+        names = ", ".join(sorted(set(out_meta["objects_with_tensors"])))
+        raise CaptureError(f"its forward returns an object holding tensors ({names}), which a replay would return as "
+                           "the capture left it (a Hugging Face cache: call the model with use_cache=False)")
     if out_meta.get("argument_writes"):
         raise CaptureError(f"its forward writes into a list or dict it is given ({out_meta['argument_writes']}), "
                            "which a replay would not (return what it writes there instead)")
@@ -656,6 +662,20 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                     reads=attribute_reads.checks(rec.root()) + module_globals.checks(),
                     guard=guard,
                     replay=replay)
+
+
+def _holds_tensor(value: Any, depth: int) -> bool:
+    """A tensor among the fields of ``value`` (an object that is no pytree node: a Hugging Face ``DynamicCache``)
+    and the lists, tuples and dicts they hold, ``depth`` levels deep."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0:
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v, depth - 1) for v in value.values())
+    return is_held_object(value) and any(_holds_tensor(v, depth - 1) for v in vars(value).values())
 
 
 def _argument_writes(args: tuple, kwargs: dict, leaves: List[Any], in_spec: Any) -> str:

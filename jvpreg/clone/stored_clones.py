@@ -9,7 +9,9 @@ and the next clone forward would read the *previous* call's tangent blocks as it
 When the outermost clone forward ends (also by an error), what an eager clone forward or a trace ran (:func:`watch`;
 a replayed program runs no Python, so it stores nothing) is searched: every module of the called modules' trees (its
 attributes, its buffers, and the lists, tuples and dicts they hold, three levels deep), and the lists and dicts the
-call was passed and the fields of the objects it was passed (the clone batches they held when passed in stay). Each
+call was passed and the fields of the objects it was passed (the clone batches they held when passed in stay); an
+object the forward returns that is no pytree node (a Hugging Face ``DynamicCache``) is searched when its output is
+unpacked (:func:`release_object`). Each
 clone batch found is replaced by its primal block, the value a plain forward would have stored (a view of block 0:
 with its autograd history where it has one). A stored value is then a constant of the next call, as
 ``torch.func.jvp`` has it. A tensor the forward made and stored before filling it (``self.buf = torch.zeros(...);
@@ -25,6 +27,7 @@ closure.
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, List, Set, Tuple
 
 import torch
@@ -39,6 +42,8 @@ _ARGUMENTS: List[Tuple[Any, Set[int]]] = []  # (a list or dict passed to it, ids
 _SKIPPED = frozenset({"_parameters", "_modules"})  # parameters (a swapped-in clone is put back by its swap), submodules
 _DEPTH = 3  # containers searched inside containers
 _NESTED = frozenset({list, tuple, dict})
+_LEAVES = frozenset({bool, int, float, str, type(None), torch.Tensor, nn.Parameter, torch.dtype, torch.device,
+                     collections.OrderedDict, set})  # searched no further: most of a module's state
 
 
 def watch(fn: Any, arguments: Any = ()) -> None:
@@ -60,7 +65,7 @@ def release() -> None:
     if _ARGUMENTS:
         arguments, _ARGUMENTS[:] = list(_ARGUMENTS), []
         for container, passed in arguments:
-            _released(container, _DEPTH, keep=passed)
+            _released(container, _DEPTH + 1, keep=passed)
     if not _ROOTS:
         return
     stack, _ROOTS[:] = list(_ROOTS), []
@@ -70,16 +75,15 @@ def release() -> None:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        state = module.__dict__
-        for name, value in tuple(state.items()):
-            kind = type(value)
-            if kind is CloneTensor:
-                state[name] = _primal(value)
-            elif kind in _NESTED and name not in _SKIPPED:
-                new = _released(value, _DEPTH)
-                if new is not value:
-                    state[name] = new
-        stack.extend(child for child in state.get("_modules", {}).values() if child is not None)
+        _released(module.__dict__, _DEPTH + 1, skip=_SKIPPED)
+        stack.extend(child for child in module.__dict__.get("_modules", {}).values() if child is not None)
+
+
+def release_object(obj: Any) -> None:
+    """Replace the clone batches among the fields of ``obj`` (an object a clone forward returns that is no pytree
+    node: a Hugging Face ``DynamicCache``) and the lists, tuples and dicts they hold by their primals."""
+    if is_held_object(obj):
+        _released(vars(obj), _DEPTH + 2)
 
 
 def _modules_of(fn: Any) -> List[nn.Module]:
@@ -133,10 +137,11 @@ def _items(container: Any) -> Any:
     return container.values() if type(container) is dict else container
 
 
-def _released(container: Any, depth: int, keep: frozenset = frozenset()) -> Any:
-    """``container`` (a list, tuple or dict) with its clone batches replaced by their primals: a list or dict in place,
-    a tuple rebuilt where one of its items changed (containers of exactly those types: a named tuple or an
-    ``OrderedDict`` is left alone); those whose ``id`` is in ``keep`` stay."""
+def _released(container: Any, depth: int, keep: frozenset = frozenset(), skip: frozenset = frozenset()) -> Any:
+    """``container`` (a list, tuple or dict) with its clone batches replaced by their primals, ``depth`` levels deep
+    through lists, tuples, dicts and the fields of objects: a list, dict or object in place, a tuple rebuilt where
+    one of its items changed (a named tuple or an ``OrderedDict`` is left alone); those whose ``id`` is in ``keep``
+    stay, and so do the items of a dict under a key in ``skip``."""
     pairs = container.items() if type(container) is dict else enumerate(container)
     changed = None
     for key, item in pairs:
@@ -145,11 +150,15 @@ def _released(container: Any, depth: int, keep: frozenset = frozenset()) -> Any:
             if id(item) in keep:
                 continue
             new = _primal(item)
-        elif kind in _NESTED and depth > 1:
+        elif depth <= 1 or kind in _LEAVES or key in skip:
+            continue
+        elif kind in _NESTED:
             new = _released(item, depth - 1, keep)
             if new is item:
                 continue
         else:
+            if is_held_object(item):  # an object's fields, in place
+                _released(vars(item), depth - 1, keep)
             continue
         if changed is None:
             changed = {}

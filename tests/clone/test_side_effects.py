@@ -289,6 +289,77 @@ def test_clone_batches_passed_in_a_list_stay_in_it():
     assert type(xs[1][0][1]) is torch.Tensor and torch.equal(xs[1][0][1], (x + 1).cos())
 
 
+class _Layer:
+    def __init__(self):
+        self.keys = torch.zeros(0)
+
+
+class _Cache:
+    """A key cache that is no pytree node, as Hugging Face's ``DynamicCache``: its layers' tensors are fields."""
+
+    def __init__(self):
+        self.layers = [_Layer()]
+
+
+class _ReturnsCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        cache = _Cache()
+        cache.layers[0].keys = torch.cat([cache.layers[0].keys.to(h).reshape(0, 6), h.exp()])
+        return {"out": h, "cache": cache}
+
+
+@pytest.mark.parametrize("engine", ["captured", "eager"])
+def test_an_object_holding_tensors_returned_by_the_forward_holds_the_plain_forwards_tensors(engine):
+    """Before: the captured program returned the capture's own object on every replay (tensors of that call, clone
+    batches), and an eager call returned clone batches inside it."""
+    capture._WARNED.clear()
+    torch.manual_seed(0)
+    model = _ReturnsCache().to(D)
+    said_all = []
+    for _ in range(3):
+        x, u = randn(4, 6), randn(4, 6)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+        said_all += [str(w.message) for w in caught if issubclass(w.category, JVPCaptureWarning)]
+        keys = y["cache"].layers[0].keys
+        assert type(keys) is torch.Tensor and torch.allclose(keys, model(x)["cache"].layers[0].keys, rtol=0, atol=0)
+        torch.testing.assert_close(t["out"], torch.func.jvp(lambda z: model(z)["out"], (x,), (u,))[1])
+    if engine == "captured":
+        assert len(said_all) == 1 and "returns an object holding tensors (_Cache)" in said_all[0], said_all
+        assert "use_cache=False" in said_all[0]
+    else:
+        assert said_all == []
+
+
+def test_hugging_face_cache_returned_by_gpt2_holds_the_plain_forwards_keys():
+    transformers = pytest.importorskip("transformers")
+    from jvpreg.callbacks.shared import SharedForward
+    from jvpreg.losses import JacobianFrobenius
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=20, n_positions=16)
+    model = transformers.GPT2Model(cfg).to(D).eval()
+    shared = SharedForward(model, engine="auto", input_key="inputs_embeds")
+    for _ in range(3):
+        x = randn(2, 5, 16)
+        shared.arm([(JacobianFrobenius(1, output_key="last_hidden_state"), 1.0, 1.0)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = model(inputs_embeds=x, use_cache=True)
+            shared.total()
+        shared.disarm()
+        got, want = out.past_key_values, model(inputs_embeds=x, use_cache=True).past_key_values
+        got_k = got.layers[0].keys if hasattr(got, "layers") else got[0][0]
+        want_k = want.layers[0].keys if hasattr(want, "layers") else want[0][0]
+        assert type(got_k) is torch.Tensor and torch.allclose(got_k, want_k, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("engine", ["auto", "compiled"])
 def test_every_engine_that_captures_checks_the_writes(engine, monkeypatch):
     monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
