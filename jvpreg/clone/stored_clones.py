@@ -28,7 +28,7 @@ closure.
 from __future__ import annotations
 
 import collections
-from typing import Any, List, Set, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -75,7 +75,7 @@ def release() -> None:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        _released(module.__dict__, _DEPTH + 1, skip=_SKIPPED)
+        _released(module.__dict__, _DEPTH + 1, skip=_SKIPPED, seen=seen)
         stack.extend(child for child in module.__dict__.get("_modules", {}).values() if child is not None)
 
 
@@ -137,11 +137,13 @@ def _items(container: Any) -> Any:
     return container.values() if type(container) is dict else container
 
 
-def _released(container: Any, depth: int, keep: frozenset = frozenset(), skip: frozenset = frozenset()) -> Any:
+def _released(container: Any, depth: int, keep: frozenset = frozenset(), skip: frozenset = frozenset(),
+              seen: Optional[Set[int]] = None) -> Any:
     """``container`` (a list, tuple or dict) with its clone batches replaced by their primals, ``depth`` levels deep
     through lists, tuples, dicts and the fields of objects: a list, dict or object in place, a tuple rebuilt where
     one of its items changed (a named tuple or an ``OrderedDict`` is left alone); those whose ``id`` is in ``keep``
-    stay, and so do the items of a dict under a key in ``skip``."""
+    stay, and so do the items of a dict under a key in ``skip``. An object whose ``id`` is in ``seen`` was searched
+    already (a config every module of a Hugging Face model holds: once)."""
     pairs = container.items() if type(container) is dict else enumerate(container)
     changed = None
     for key, item in pairs:
@@ -153,12 +155,14 @@ def _released(container: Any, depth: int, keep: frozenset = frozenset(), skip: f
         elif depth <= 1 or kind in _LEAVES or key in skip:
             continue
         elif kind in _NESTED:
-            new = _released(item, depth - 1, keep)
+            new = _released(item, depth - 1, keep, seen=seen)
             if new is item:
                 continue
         else:
-            if is_held_object(item):  # an object's fields, in place
-                _released(vars(item), depth - 1, keep)
+            if (seen is None or id(item) not in seen) and is_held_object(item):  # an object's fields, in place
+                if seen is not None:
+                    seen.add(id(item))
+                _released(vars(item), depth - 1, keep, seen=seen)
             continue
         if changed is None:
             changed = {}
