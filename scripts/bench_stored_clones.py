@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
 import time
 from typing import Callable, Dict
@@ -25,6 +25,7 @@ import torch
 import torchvision
 from torch import nn
 
+from jvpreg.bench.timing import machine_description
 from jvpreg.bench.train import Step, build
 from jvpreg.clone import functions, stored_clones
 
@@ -120,8 +121,9 @@ def steps(models: str, repeats: int) -> list:
 
 
 def markdown(result: dict) -> str:
+    what = " ".join(p.replace("\n", " ") for p in __doc__.strip().split("\n\n")[1:3])
     lines = ["# Finding stored clone batches: searched afterwards vs noted by assigning nn.Module.__setattr__", "",
-             __doc__.strip().split("\n\n")[1].replace("\n", " "), "",
+             " ".join(what.split()), "",
              f"Command: `{result['command']}`  ", f"Machine: {result['machine']}", "",
              "| class attribute | set and put back (us) | subclasses |", "|---|---:|---:|"]
     c = result["class_costs"]
@@ -153,9 +155,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     command = ("python scripts/bench_stored_clones.py --models " + args.models + f" --repeats {args.repeats}"
                + (f" --out {args.out}" if args.out else ""))
+    m = machine_description()
     result = {"command": command,
-              "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-                         f"{args.threads} thread(s), load average at start {list(__import__('os').getloadavg())}",
+              "machine": f"{m['cpu']}, {m['cpu_cores']} cores, torch {m['torch']} ({args.threads} thread(s)); load "
+                         f"average at start {[round(v, 2) for v in os.getloadavg()]} (shared machine)",
               "class_costs": class_costs(), "search_costs": search_costs(), "steps": steps(args.models, args.repeats)}
     text = markdown(result)
     print(text)
