@@ -125,14 +125,18 @@ def test_regularized_step_leaves_a_plain_model():
         model(x)  # validation: a plain forward reads the stored state
 
 
+class _State:
+    """A plain object the module holds (a settings or state object)."""
+
+
 class Logs(nn.Module):
     """Stores around nn.Module.__setattr__: items of a list, a dict and a tuple on the module, a ``__dict__`` write,
-    and a stored tensor on a submodule."""
+    a field of an object the module holds, and a stored tensor on a submodule."""
 
     def __init__(self):
         super().__init__()
         self.lin, self.inner = nn.Linear(4, 4), nn.Identity()
-        self.log, self.maps, self.pair = [], {}, None
+        self.log, self.maps, self.pair, self.state = [], {}, None, _State()
 
     def forward(self, x):
         h = self.lin(x).tanh()
@@ -141,12 +145,13 @@ class Logs(nn.Module):
         self.pair = (h.sum(-1).detach(), 3)
         self.__dict__["raw"] = h * 2
         self.inner.seen = h.cos()
+        self.state.h = h.sin()
         self.__dict__["size"] = h.shape  # a tuple of ints: left as it is
         return h
 
 
 def _stored(model):
-    return [model.log[-1], model.maps["last"][0], model.pair[0], model.raw, model.inner.seen]
+    return [model.log[-1], model.maps["last"][0], model.pair[0], model.raw, model.inner.seen, model.state.h]
 
 
 @pytest.mark.parametrize("engine", ["eager", "auto"])
