@@ -3,6 +3,8 @@
 ``assert_tree_close(got, want, rtol=1e-10, what="")``: same pytree structure; float leaves equal to ``rtol``
 with ``atol = rtol * max|want|`` (1 for an all-zero reference); integer/bool leaves exactly; other leaves
 with ``==``. Import it as ``from conftest import assert_tree_close`` (pytest puts ``tests/`` on the path).
+``assert_as_plain(got, want)``: a clone forward's primal output or stored state against a plain forward's, up to the
+last bits the BLAS's row count moves (its docstring).
 ``reference_jvp(f, x, u)``: torch.func.jvp, or the reverse-mode Jacobian where forward AD is missing.
 
 Slow tests (``@pytest.mark.slow``: the OpInfo sweep, DDP/FSDP workers, float32 whole-model checks,
@@ -37,6 +39,18 @@ def assert_tree_close(got, want, rtol: float = RTOL, what: str = "") -> None:
             torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}[{i}]: {m}")
         else:
             assert torch.equal(g, w.to(g.dtype)), f"{what}[{i}]: integer outputs differ"
+
+
+def assert_as_plain(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    """``got`` (a clone forward's primal output or state) equals ``want`` (a plain forward's on the B primal rows) up
+    to the last bits a matrix product's row count moves: MKL on AVX-512 gives a row of a product on 3 rows other
+    last bits than on 6 (``Linear(4, 4)`` in float64: 5.6e-17 apart; 4, 8 and 16 rows: equal), and a clone forward
+    multiplies all ``(1 + k) B`` rows at once. 64 ulps of the largest entry: a stored clone batch, a tangent block or a
+    state updated twice is off by the entries themselves."""
+    assert type(got) is torch.Tensor, f"{what}: got {type(got).__name__}, expected a plain tensor"
+    scale = want.detach().abs().max().item() if want.numel() else 0.0
+    atol = 64 * torch.finfo(want.dtype).eps * max(scale, torch.finfo(want.dtype).tiny)
+    torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def reference_jvp(f, x: torch.Tensor, u: torch.Tensor):
