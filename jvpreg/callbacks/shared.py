@@ -17,7 +17,9 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_mod
 
+from ..clone import api as _api
 from ..clone import capture
 from ..losses.base import Plan, Term, prepare
 
@@ -101,6 +103,8 @@ class SharedForward:
         self._compiled_call: Optional[Any] = None
         self._targets: Optional[List[Any]] = None
         self._plan: Optional[Plan] = None
+        self._x: Optional[torch.Tensor] = None  # the input a packed call clones inside its program
+        self._tan: Any = None  # that call's tangent output
         self._cm = None
         self._depth = 0
         self._busy = False
@@ -132,6 +136,8 @@ class SharedForward:
         def forward(*args, **kwargs):
             if self._plan is None or self._depth:
                 return orig(*args, **kwargs)
+            if self._plan.x_in is None:
+                return self._packed_call(target, fn, args, kwargs)
             return capture.call(target, args, kwargs, engine=self.engine, fn=fn)
 
         self.module.forward = forward
@@ -149,6 +155,7 @@ class SharedForward:
         if self._compiled_call is not None:
             self.module._compiled_call_impl, self._compiled_call = self._compiled_call, None
         self._terms = self._targets = self._plan = self.plan = self.values = self.batch_size = None
+        self._x = self._tan = None
         self._depth = 0
         self.fired = False
 
@@ -240,11 +247,40 @@ class SharedForward:
             a, k = put(z)
             return self._bypass(a, k)
 
-        plan = prepare(module, x, self._terms, targets=self._targets, forward=forward)
-        self._cm = plan.enter(module, watch=False)  # capture.call watches what it runs eagerly
+        plan = prepare(module, x, self._terms, targets=self._targets, forward=forward,
+                       pack=not self._packs_in_program(module, x, args, kwargs))
         self._plan = plan
         self.batch_size = int(x.shape[0])
+        if plan.x_in is None:  # packed inside the program, from the arguments as they are
+            self._x = x
+            return None
+        self._cm = plan.enter(module, watch=False)  # capture.call watches what it runs eagerly
         return put(plan.x_in)
+
+    def _packs_in_program(self, module: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+        """Whether this call packs its input inside the captured program (:func:`jvpreg.clone.api.packed_call`):
+        on the captured and compiled engines, where no other hook on the module sees the arguments or the output
+        (they would see the clone batch; a backward hook wraps the arguments), no argument is a container
+        (:func:`jvpreg.clone.api.packable`) and the input is passed once (found again by identity)."""
+        m = _module_mod
+        return (self.engine != "eager" and len(module._forward_pre_hooks) == 1 and len(module._forward_hooks) == 1
+                and not (module._backward_hooks or module._backward_pre_hooks or m._global_forward_pre_hooks
+                         or m._global_forward_hooks or m._global_backward_hooks or m._global_backward_pre_hooks)
+                and _api.packable(args, kwargs) and sum(v is x for v in (*args, *kwargs.values())) == 1)
+
+    def _packed_call(self, target: nn.Module, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """The armed call as one program ``(args, u, s) -> (f(x), J u, s)``; returns ``f(x)``, keeps ``J u``."""
+        plan, x = self._plan, self._x
+        leaves = [*args, *kwargs.values()]
+        at = [i for i, v in enumerate(leaves) if v is x]
+        if len(at) != 1:  # cannot happen: no other hook runs between the pre-hook and the forward
+            raise RuntimeError(f"SharedForward: the input its pre-hook saw is not among the arguments of "
+                               f"{type(self.module).__name__}.forward; please report this with the model, and use "
+                               "engine='eager' meanwhile.")
+        out, self._tan, s = _api.packed_call(target, args, kwargs, at[0], plan.u, plan.scales, fn=fn,
+                                             engine=self.engine, finite=True if plan.finite else None)
+        plan.scales = s
+        return out
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any):
         if self._busy or self._plan is None:
@@ -254,6 +290,10 @@ class SharedForward:
             return None
         plan, self._plan = self._plan, None
         self._exit()
-        out, values = plan.finish(output)
+        if plan.x_in is None:
+            tan, self._tan, self._x = self._tan, None, None
+            out, values = plan.penalties(output, tan)
+        else:
+            out, values = plan.finish(output)
         self.plan, self.values = plan, values
         return out

@@ -23,11 +23,11 @@ from __future__ import annotations
 import contextlib
 import difflib
 import math
-from typing import Any, Callable, Dict, Mapping, Sequence
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_map, tree_unflatten
 
 from . import capture, functions, stored_clones
 from .compiled_code import between_graphs
@@ -235,6 +235,15 @@ def _scales(pairs: Sequence[tuple], k: int, scale: Any = "auto", shared: bool = 
     return torch.full((k,), float(scale), dtype=torch.float64, device=pairs[0][0].device), None
 
 
+@between_graphs
+def checked_scales(pairs: Sequence[tuple], k: int, scale: Any = "auto") -> tuple:
+    """``(s, finite)``: :func:`scales`, and whether every entry of the pairs is finite (``None`` where not known: on
+    an accelerator, or with a fixed ``scale``), which a captured program's guard takes
+    (:func:`jvpreg.clone.capture.call`'s ``finite``). A CPU ``s`` may be shared by calls with the same scales: read
+    it, never write to it."""
+    return _scales(pairs, k, scale, shared=True)
+
+
 def clone_of(x: torch.Tensor, u: torch.Tensor, s: torch.Tensor, *, state: bool = False) -> torch.Tensor:
     """The clone batch ``[x; x + s_1 u_1; ...]`` of ``x`` carrying tangents ``u`` (shape ``(k, *x.shape)``)."""
     sv = s.to(x.dtype if x.is_floating_point() else torch.float32).reshape(-1, *([1] * x.dim()))
@@ -365,6 +374,39 @@ def call(func: Callable, args: Sequence[Any], kwargs: Mapping[str, Any] | None =
         return capture.call(target, args, kwargs, engine=engine)
     with functions.active(target, (args, kwargs)), capture.uncompiled(target):
         return target(*args, **kwargs)
+
+
+def packable(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether :func:`packed_call` can take this call: no argument is a container (a list, tuple or dict the
+    forward could write into would be rebuilt inside the program, and the writes lost)."""
+    return all(v is None or tree_is_leaf(v) for v in (*args, *kwargs.values()))
+
+
+def packed_call(module: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any], index: int, u: torch.Tensor,
+                s: Optional[torch.Tensor], *, fn: Callable, engine: str, finite: Optional[bool] = None) -> tuple:
+    """``(f(x), J u, s)``: ``fn`` called with the argument at ``index`` of ``(*args, *kwargs.values())`` replaced by
+    its clone batch ``[x; x + s u]``, and its output unpacked, recorded as *one* program as :func:`jvp`'s
+    (``(args, u, s) -> (f(x), J u, s)``: the packing and unpacking run inside it, with no Python between them and,
+    under ``engine="compiled"``, fused with the model's first and last ops).
+
+    ``s``: the ``(k,)`` scales, or ``None`` on an accelerator, where they are kernels inside the program
+    (:func:`device_scales`) and returned. ``u``: the directions, shape ``(k, *x.shape)``. The arguments must be
+    :func:`packable`. ``finite``: as :func:`jvpreg.clone.capture.call`'s. The shared forward of the Lightning
+    callbacks runs through here (:class:`jvpreg.callbacks.SharedForward`)."""
+    n, names = len(args), tuple(kwargs)
+    leaves = [*args, *kwargs.values()]
+
+    def body(*flat):
+        vals, u_, s_ = list(flat[:len(leaves)]), flat[len(leaves)], flat[len(leaves) + 1:]
+        x = vals[index]
+        s_ = s_[0] if s_ else _program_scales((x,), (u_,), u_.shape[0])
+        vals[index] = clone_of(x, u_, s_)
+        out, tan = unpack(fn(*vals[:n], **dict(zip(names, vals[n:]))), s_)
+        return out, tan, s_
+
+    flat = (*leaves, u) if s is None else (*leaves, u, s)
+    return capture.call(module, flat, engine=engine, key=("packed", id(getattr(fn, "__func__", fn)), n, names, index),
+                        fn=body, finite=finite)
 
 
 @between_graphs

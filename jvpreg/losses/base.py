@@ -299,11 +299,13 @@ class Plan:
         >>> out, (jac,) = plan.finish(raw)                 # out == model(x); jac the penalty
     """
 
-    x_in: torch.Tensor
-    scales: torch.Tensor
+    x_in: Optional[torch.Tensor]  # None: the caller packs x with ``u`` inside its program (prepare(pack=False))
+    scales: Optional[torch.Tensor]  # None: chosen inside that program (on an accelerator), set from its output
     params: Dict[str, torch.Tensor]
     slots: List[_Slot] = field(default_factory=list)
     sharded: Dict[str, torch.Tensor] = field(default_factory=dict)  # FSDP2 name -> directions (k, *W.shape)
+    u: Optional[torch.Tensor] = None  # the input directions of every slot, (k, *x.shape)
+    finite: Optional[bool] = None  # whether x and u are all finite (None: not known)
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module, *, watch: bool = True) -> Iterator[None]:
@@ -332,7 +334,10 @@ class Plan:
 
     def finish(self, raw_output: Any) -> Tuple[Any, List[torch.Tensor]]:
         """``(f(x), [penalty_i])`` from the clone forward's output."""
-        out, tan = _api.unpack(raw_output, self.scales, batched=True)
+        return self.penalties(*_api.unpack(raw_output, self.scales, batched=True))
+
+    def penalties(self, out: Any, tan: Any) -> Tuple[Any, List[torch.Tensor]]:
+        """``(f(x), [penalty_i])`` from the unpacked output ``f(x)`` and tangent output (leading dim ``k``)."""
         values = []
         for slot in self.slots:
             where = f"{type(slot.penalty).__name__}"
@@ -404,7 +409,7 @@ def _check_param_directions(where: str, dirs: Any, named: Mapping[str, torch.Ten
 
 def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target: Any = None,
             targets: Optional[Sequence[Any]] = None, forward: Optional[Callable[[torch.Tensor], Any]] = None,
-            scale: Any = "auto") -> Plan:
+            scale: Any = "auto", pack: bool = True) -> Plan:
     """Build ONE clone forward for every ``(penalty, weight, batch_fraction)`` in ``terms``.
 
     Args:
@@ -415,6 +420,8 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
         targets: one target per term instead (overrides ``target``).
         forward: ``forward(z)`` runs the model on another input (see :class:`PenaltyContext`).
         scale: ``"auto"`` or a fixed difference scale (see :func:`jvpreg.clone.pack`).
+        pack: ``False`` where the caller packs inside its program (:func:`jvpreg.clone.api.packed_call`): when
+            only the input carries directions, ``plan.x_in`` is then ``None`` and ``plan.u`` holds them.
 
     Returns:
         A :class:`Plan`; the input to feed is ``plan.x_in``.
@@ -505,6 +512,12 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
         _sharded.check_swappable(name, p, where)
         pairs.append((p, fill([None if pd is None else pd.get(name) for pd in param_dirs], p)))
     with_input = any(u is not None for u in input_dirs)
+    if with_input and not pack and not pairs:  # the caller's program packs x (packed_call)
+        u = fill(input_dirs, x)
+        if scale == "auto" and not _api.host_scales(x):
+            return Plan(x_in=None, scales=None, params={}, slots=slots, u=u)  # scales chosen in the program
+        s, finite = _api.checked_scales([(x, u)], total_k, scale)
+        return Plan(x_in=None, scales=s, params={}, slots=slots, u=u, finite=finite)
     scale_pairs = [_sharded.scale_pair(p, u) for p, u in pairs]
     if with_input:
         (x_in,), s = _api.pack((x,), (fill(input_dirs, x),), scale=scale, extra_pairs=scale_pairs)
