@@ -2,7 +2,7 @@
 
 Where only the input carries directions, no other hook sees the module's call and no argument is a container,
 :class:`jvpreg.callbacks.SharedForward` records ``(args, u, s) -> (f(x), J u, s)`` as one program, as
-``jvpreg.jvp`` does. Reference: the same step on the eager engine (op by op, packing outside), in float64:
+``jvpreg.jvp`` does; so does ``regularized_forward`` (and every penalty module's call). Reference: the same step on the eager engine (op by op, packing outside), in float64:
 penalties, parameter gradients and BatchNorm running statistics.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from jvpreg.callbacks import SharedForward
 from jvpreg.clone import api, capture
 from jvpreg.clone.device_paths import accelerator_path
-from jvpreg.losses import JacobianFrobenius
+from jvpreg.losses import JacobianFrobenius, regularized_forward
 
 D = torch.float64
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -227,3 +227,25 @@ def test_an_input_passed_twice_packs_outside_the_program():
         _, reference = run(net, x, "eager", call=call)
         assert all(r[3] == packed for r in results)
         assert_same(results, reference)
+
+
+@pytest.mark.parametrize("engine", ["auto", "captured"])
+def test_regularized_forward_packs_inside_the_program(engine):
+    torch.manual_seed(0)
+    net = cnn_bn().to(D).train()
+    x = torch.randn(8, 1, 4, 4, dtype=D)
+    got, want = copy.deepcopy(net), copy.deepcopy(net)
+    for _ in range(3):
+        out, pen = regularized_forward(got, x, [JacobianFrobenius(2, seed=0), JacobianFrobenius(seed=1)],
+                                       engine=engine)
+        out_e, pen_e = regularized_forward(want, x, [JacobianFrobenius(2, seed=0), JacobianFrobenius(seed=1)],
+                                           engine="eager")
+        torch.testing.assert_close(out, out_e, rtol=1e-12, atol=0)
+        torch.testing.assert_close(pen, pen_e, rtol=1e-12, atol=0)
+        grads = torch.autograd.grad(out.sum() + pen, list(got.parameters()))
+        grads_e = torch.autograd.grad(out_e.sum() + pen_e, list(want.parameters()))
+        for g, g_e in zip(grads, grads_e):
+            torch.testing.assert_close(g, g_e, rtol=1e-12, atol=1e-14)
+    for name, buf in want.named_buffers():
+        assert torch.equal(dict(got.named_buffers())[name], buf), name
+    assert _packed_programs(got) and all(k[0][0] == "packed" for k in capture.programs(got))

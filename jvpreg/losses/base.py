@@ -620,10 +620,16 @@ def _run(model, x, terms, target, args, kwargs, engine="auto"):
     args, kwargs = tuple(args), dict(kwargs or {})
     engine = _capture.resolve_engine(engine, model, "regularized_forward(model, x, penalties)")
     model = _capture.unwrap_compiled(model)
-    plan = prepare(model, x, terms, target=target, forward=lambda z: model(z, *args, **kwargs))
-    with plan.swapped(model, watch=False):
-        raw = _api.call(model, (plan.x_in, *args), kwargs, engine=engine)
-    out, values = plan.finish(raw)
+    packs = engine != "eager" and isinstance(model, nn.Module) and _api.packable((x, *args), kwargs)
+    plan = prepare(model, x, terms, target=target, forward=lambda z: model(z, *args, **kwargs), pack=not packs)
+    if plan.x_in is None:  # one program (args, u, s) -> (f(x), J u, s), as the callbacks' shared forward
+        out, tan, plan.scales = _api.packed_call(model, (x, *args), kwargs, 0, plan.u, plan.scales, fn=model,
+                                                 engine=engine, finite=True if plan.finite else None)
+        out, values = plan.penalties(out, tan)
+    else:
+        with plan.swapped(model, watch=False):
+            raw = _api.call(model, (plan.x_in, *args), kwargs, engine=engine)
+        out, values = plan.finish(raw)
     parts = {slot.name: v for slot, v in zip(plan.slots, values)}
     return out, plan.total(values), parts
 
