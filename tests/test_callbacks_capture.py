@@ -53,6 +53,9 @@ def test_captured_callbacks_give_the_eager_gradients(compiled):
             torch.testing.assert_close(g[key], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"step {step} {name}: {m}")
     progs = capture.programs(lit)
     assert progs and all(p.gm is not None for p in progs.values())
+    # one program per step: the packing [x; x + s u] and the unpacking inside it (jvpreg.clone.api.packed_call)
+    calls = [k[0][0] if k[0][-1] == "compiled" else k[0] for k in progs]
+    assert all(c[0] == "packed" for c in calls), calls
     if compiled == "in-place":
         assert capture.compiled_in_place(lit.net)  # restored after every armed call
 
