@@ -249,3 +249,42 @@ def test_regularized_forward_packs_inside_the_program(engine):
     for name, buf in want.named_buffers():
         assert torch.equal(dict(got.named_buffers())[name], buf), name
     assert _packed_programs(got) and all(k[0][0] == "packed" for k in capture.programs(got))
+
+
+class AdditiveMask(nn.Module):
+    """Attention-like scores with an additive mask argument (``-inf`` where masked), softmax over them."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(6, 5)
+
+    def forward(self, x, mask):
+        return torch.softmax(self.q(x) + mask, -1)
+
+
+@pytest.mark.parametrize("entry", ["shared_forward", "regularized_forward"])
+def test_another_argument_turning_non_finite_after_the_capture_is_guarded(entry):
+    """The norms of x and u say that they are finite; another argument (an additive mask of -inf) is checked by the
+    guard as before: a program recorded for a finite mask is not replayed for one holding -inf (whose softmax
+    needs the non-finite fix). Reference: torch.func.jvp of the same call, which the eager engine matches."""
+    torch.manual_seed(0)
+    net = AdditiveMask().to(D)
+    x = torch.randn(4, 6, dtype=D)
+    finite = torch.zeros(4, 5, dtype=D)
+    masked = finite.clone()
+    masked[:, 1] = float("-inf")
+    pen = JacobianFrobenius(seed=0)
+    shared = SharedForward(net, engine="captured")
+    for mask in (finite, finite, masked, masked):
+        u = copy.deepcopy(pen).directions(x, None)[0]
+        want = (torch.func.jvp(lambda z: net(z, mask), (x,), (u,))[1]).pow(2).sum() / 4
+        if entry == "shared_forward":
+            shared.arm([(copy.deepcopy(pen), 1.0, 1.0)])
+            net(x, mask)
+            assert shared.plan.x_in is None
+            got = shared.total()
+            shared.disarm()
+        else:
+            got = regularized_forward(net, x, copy.deepcopy(pen), args=(mask,), engine="captured")[1]
+        assert torch.isfinite(got)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

@@ -391,10 +391,14 @@ def packed_call(module: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any
 
     ``s``: the ``(k,)`` scales, or ``None`` on an accelerator, where they are kernels inside the program
     (:func:`device_scales`) and returned. ``u``: the directions, shape ``(k, *x.shape)``. The arguments must be
-    :func:`packable`. ``finite``: as :func:`jvpreg.clone.capture.call`'s. The shared forward of the Lightning
-    callbacks runs through here (:class:`jvpreg.callbacks.SharedForward`)."""
+    :func:`packable`. ``finite``: ``True`` when ``x`` and ``u`` are known finite (read off the norms ``s`` came
+    from); the guard then checks no tensor, unless other arguments hold tensors (an additive mask of ``-inf``), when
+    it checks every one. The shared forward of the Lightning callbacks runs through here
+    (:class:`jvpreg.callbacks.SharedForward`)."""
     n, names = len(args), tuple(kwargs)
     leaves = [*args, *kwargs.values()]
+    if finite and any(isinstance(v, torch.Tensor) for i, v in enumerate(leaves) if i != index):
+        finite = None  # known for x, u and s only
 
     def body(*flat):
         vals, u_, s_ = list(flat[:len(leaves)]), flat[len(leaves)], flat[len(leaves) + 1:]
