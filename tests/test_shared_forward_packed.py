@@ -7,6 +7,7 @@ penalties, parameter gradients and BatchNorm running statistics.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -57,9 +58,9 @@ def penalties():
     return [(JacobianFrobenius(2, seed=0), 0.5, 1.0), (JacobianFrobenius(1, seed=1), 0.25, 0.5)]
 
 
-def step(model, shared, x, call=None, terms=None):
+def step(model, shared, x, call=None):
     """One regularized step's loss, its parameter gradients, and whether the call packed inside a program."""
-    shared.arm(terms or penalties())
+    shared.arm(penalties())
     try:
         out = call(model, x) if call is not None else model(x)
         packed = shared.plan.x_in is None
@@ -71,24 +72,16 @@ def step(model, shared, x, call=None, terms=None):
     return out.detach(), loss.detach(), grads, packed
 
 
-def run(model, x, engine, steps=3, call=None, terms=None, context=None):
+def run(model, x, engine, steps=3, call=None, context=contextlib.nullcontext):
     """``steps`` regularized steps (the default engine records on the second, replays on the third)."""
     model = copy.deepcopy(model)
     shared = SharedForward(model, engine=engine)
     results = []
     for _ in range(steps):
-        with context() if context is not None else _nothing():
-            results.append(step(model, shared, x, call, terms))
+        with context():
+            results.append(step(model, shared, x, call))
     shared.remove()
     return model, results
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _packed_programs(model) -> list:
