@@ -386,8 +386,8 @@ def packed_call(module: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any
                 s: Optional[torch.Tensor], *, fn: Callable, engine: str, finite: Optional[bool] = None) -> tuple:
     """``(f(x), J u, s)``: ``fn`` called with the argument at ``index`` of ``(*args, *kwargs.values())`` replaced by
     its clone batch ``[x; x + s u]``, and its output unpacked, recorded as *one* program as :func:`jvp`'s
-    (``(args, u, s) -> (f(x), J u, s)``: the packing and unpacking run inside it, with no Python between them and,
-    under ``engine="compiled"``, fused with the model's first and last ops).
+    (``(args, u, s) -> (f(x), J u, s)``: the packing and unpacking run inside it, with no Python between them, and
+    under ``engine="compiled"`` Inductor compiles them with the model's ops).
 
     ``s``: the ``(k,)`` scales, or ``None`` on an accelerator, where they are kernels inside the program
     (:func:`device_scales`) and returned. ``u``: the directions, shape ``(k, *x.shape)``. The arguments must be
