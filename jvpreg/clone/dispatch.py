@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .made_tensors import ORIGINAL_OF
 from .registry import (COMPLEX_AFFINE, COMPLEX_AFFINE_MODULES, COMPLEX_EXACT, HANDLERS, REENTRANT, op_name,
-                       tensor_args_first)
+                       bind_arguments)
 from . import tensor as tensor_module
 from .tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap, wrap_tree
 
@@ -159,7 +159,7 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
             )
         kwargs = {k: v for k, v in kwargs.items() if k != "out"}  # `out=None` is the out-of-place call
     if kwargs:
-        args, kwargs = tensor_args_first(func, args, kwargs)
+        args, kwargs = bind_arguments(func, args, kwargs)
     a0 = args[0] if args else None
     if type(a0) is CloneTensor and _inplace_name(func) is None:
         with DisableTorchFunctionSubclass():

@@ -26,6 +26,7 @@ Users add a rule for their own op the same way::
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable, Dict, Iterable
@@ -76,50 +77,138 @@ def op_name(func: Any) -> str:
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-_PARAMS: Dict[Any, Any] = {}
+_NO_DEFAULT = inspect.Parameter.empty
+#: numpy-style spellings torch's argument parser accepts for its own names (``x.sum(axis=1, keepdims=True)``)
+_PARSER_ALIASES = {"axis": "dim", "keepdims": "keepdim"}
+#: parameters that stay keywords: torch's argument parser takes the tensor options by keyword only where the schema
+#: lists them among the positional ones, and ``inplace`` is read by name (:func:`register_rule`)
+_KEPT_KEYWORDS = frozenset({"memory_format", "layout", "pin_memory", "generator", "out", "inplace"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Overload:
+    """One signature of an op: its positional parameters ``(name, default)`` in order (``default`` is
+    :data:`inspect.Parameter.empty` where there is none) and the names it takes by keyword only."""
+    positional: tuple
+    keyword_only: frozenset
+
+
+_OVERLOADS: Dict[Any, tuple] = {}
+_PLANS: Dict[Any, Any] = {}
 _OVERRIDES: list = []
 
 
-def positional_names(func: Any) -> tuple | None:
-    """The names of ``func``'s positional parameters (torch's documented signature from
-    ``torch.overrides.get_testing_overrides``, else ``inspect.signature``); ``None`` if unknown."""
+def _from_signature(fn: Any) -> Overload | None:
     try:
-        return _PARAMS[func]
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return None  # ``x.repeat(*sizes)``: a Python varargs lambda says nothing of the keyword form
+    return Overload(tuple((p.name, p.default) for p in params if p.kind in _POSITIONAL),
+                    frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY))
+
+
+def _from_schemas(name: str) -> list:
+    """The overloads of ``aten::name`` as torch's argument parser takes them: the schema's names, ``self``
+    spelled ``input`` (torch functions) or taken as the receiver (Tensor methods), its defaults."""
+    try:
+        schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}")
+    except RuntimeError:
+        return []
+    out = []
+    for schema in schemas:
+        if schema.overload_name.startswith("prim_"):  # TorchScript's own overloads, not the argument parser's
+            continue
+        args = [a for a in schema.arguments if a.name != "out"]
+        pos = tuple(("input" if a.name == "self" else a.name,
+                     a.default_value if a.has_default_value() else _NO_DEFAULT) for a in args if not a.kwarg_only)
+        out.append(Overload(pos, frozenset(a.name for a in args if a.kwarg_only)))
+    return out
+
+
+def overloads(func: Any) -> tuple:
+    """The signatures ``func`` can be called with, as :class:`Overload` s: a Python function's own signature;
+    for torch's C functions and Tensor methods the ATen schemas of the same name (the names and defaults
+    torch's argument parser binds keywords by), then the documented signature of
+    ``torch.overrides.get_testing_overrides``."""
+    try:
+        return _OVERLOADS[func]
     except KeyError:
         pass
     except TypeError:  # unhashable
-        return None
-    if not _OVERRIDES:
-        _OVERRIDES.append(torch.overrides.get_testing_overrides())
-    names = None
-    for candidate in (_OVERRIDES[0].get(func), func):
-        try:
-            params = inspect.signature(candidate).parameters.values()
-        except (TypeError, ValueError):
+        return ()
+    found: list = []
+    if inspect.isfunction(inspect.unwrap(func)):
+        sig = _from_signature(func)
+        found = [sig] if sig is not None else []
+    else:
+        name = getattr(func, "__name__", "")
+        if name and not name.startswith("__"):
+            found = _from_schemas(name)
+        if not _OVERRIDES:
+            _OVERRIDES.append(torch.overrides.get_testing_overrides())
+        documented = _OVERRIDES[0].get(func)
+        sig = _from_signature(documented) if documented is not None else None
+        if sig is not None:
+            found.append(sig)
+    _OVERLOADS[func] = tuple(found)
+    return _OVERLOADS[func]
+
+
+def _plan(func: Any, n_args: int, keys: frozenset) -> tuple | None:
+    """How to bind a call with ``n_args`` positional arguments and keywords ``keys``: the first overload that
+    takes every keyword gives ``(sources, moved)``, ``sources`` one entry per position filled (a keyword's name,
+    or ``(default,)``), ``moved`` the keywords that became positional; ``None``: nothing to move."""
+    for ov in overloads(func):
+        names = [n for n, _ in ov.positional]
+        if n_args > len(names) or not all(k in names[n_args:] or k in ov.keyword_only for k in keys):
             continue
-        names = tuple(p.name for p in params if p.kind in _POSITIONAL)
-        break
-    _PARAMS[func] = names
-    return names
+        last = max((names.index(k) for k in keys if k in names[n_args:]), default=-1)
+        if last < n_args:
+            return None
+        sources = []
+        for name, default in ov.positional[n_args:last + 1]:
+            if name in _KEPT_KEYWORDS:  # the keywords from here on stay keywords
+                break
+            if name in keys:
+                sources.append(name)
+            elif default is not _NO_DEFAULT:
+                sources.append((default,))
+            else:  # a required parameter skipped: torch itself refuses the call; leave it as it was
+                return None
+        while sources and not isinstance(sources[-1], str):  # defaults with no keyword after them
+            sources.pop()
+        return (tuple(sources), frozenset(s for s in sources if isinstance(s, str))) if sources else None
+    return None
 
 
-def tensor_args_first(func: Any, args: tuple, kwargs: dict) -> tuple:
-    """``(args, kwargs)`` with the leading tensor parameters passed by keyword moved to their positions.
+def bind_arguments(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """``(args, kwargs)`` with every keyword that names a positional parameter of ``func`` moved to its position,
+    and the defaults of the parameters between filled in: ``x.reshape(shape=(2, 3))`` reaches its handler as
+    ``x.reshape((2, 3))``, ``F.conv2d(x, w, padding=1)`` as ``F.conv2d(x, w, None, [1, 1], 1)``.
 
-    ``F.conv2d(input=x, weight=w, padding=1)`` reaches every handler as ``F.conv2d(x, w, padding=1)``, so
-    rules can read the tensors they linearise by position. Only tensor values move, and only while the
-    parameters before them are given (``beta``/``alpha``, keyword-only in torch, stay keywords)."""
-    names = positional_names(func)
-    if not names or len(args) >= len(names):
+    The one place where call forms meet the rules: every handler is called with its arguments bound by the
+    op's signature (:func:`overloads`), so rules read them by position. Keyword-only parameters (``alpha``,
+    ``dtype``) stay keywords. A call torch itself would refuse is passed on as it was."""
+    if not kwargs:
         return args, kwargs
-    moved = []
-    for name in names[len(args):]:
-        if not isinstance(kwargs.get(name), torch.Tensor):
-            break
-        moved.append(name)
-    if not moved:
+    if any(k in _PARSER_ALIASES for k in kwargs):
+        kwargs = {_PARSER_ALIASES.get(k, k): v for k, v in kwargs.items()}
+    if "self" in kwargs and "input" not in kwargs:
+        kwargs = {("input" if k == "self" else k): v for k, v in kwargs.items()}
+    key = (func, len(args), frozenset(kwargs))
+    try:
+        plan = _PLANS[key]
+    except KeyError:
+        plan = _PLANS[key] = _plan(func, len(args), key[2])
+    except TypeError:  # unhashable func
+        plan = _plan(func, len(args), key[2])
+    if plan is None:
         return args, kwargs
-    return tuple(args) + tuple(kwargs[n] for n in moved), {k: v for k, v in kwargs.items() if k not in moved}
+    sources, moved = plan
+    bound = tuple(kwargs[s] if isinstance(s, str) else s[0] for s in sources)
+    return tuple(args) + bound, {k: v for k, v in kwargs.items() if k not in moved}
 
 
 def _existing(funcs: Iterable[Any]) -> list:
@@ -217,6 +306,15 @@ def detached_target(args: tuple, kwargs: dict, needed: bool = True) -> tuple:
     return (src,) + tuple(args[1:])
 
 
+def _position(func: Any, name: str) -> int | None:
+    """The position of parameter ``name`` in ``func``'s first signature that has it, or ``None``."""
+    for ov in overloads(func):
+        names = [n for n, _ in ov.positional]
+        if name in names:
+            return names.index(name)
+    return None
+
+
 def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str | None = "inplace",
                   inplace_safe: bool = False, no_grad_inplace: Callable | None = None):
     """Register a rule written on blocks for ``funcs`` (and their in-place variants).
@@ -249,6 +347,10 @@ def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str |
                            funcs[0] if funcs else rule)
 
         def out_of_place(func, args, kwargs):
+            at = _position(func, inplace_kwarg) if accepts_inplace and pos < 0 else None
+            if at is not None and len(args) > at:  # ``F.silu(x, True)``: the flag by position, read by name
+                kwargs = dict(kwargs, **{inplace_kwarg: args[at]})
+                args = args[:at] + args[at + 1:]
             is_ip = False
             if accepts_inplace:
                 if kwargs.get(inplace_kwarg):

@@ -113,9 +113,9 @@ def _same(old: Any, new: Any) -> bool:
         return True
     if isinstance(old, _Items):
         return old == new
-    if isinstance(old, tuple) and isinstance(new, tuple):
+    if type(old) is tuple and type(new) is tuple:
         return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new))
-    return type(old) is type(new) and isinstance(old, _PLAIN) and old == new
+    return type(old) is type(new) and type(old) in _PLAIN and old == new  # never a user class's __eq__
 
 
 _RNN_CACHES = frozenset({"_flat_weights", "_flat_weight_refs"})
@@ -175,7 +175,7 @@ class Attributes:
             out.update((("_buffers", k), v) for k, v in mod._buffers.items())
             out.update((("_modules", k), v) for k, v in mod._modules.items())
         for (where, k), v in list(out.items()):  # the items of the lists and dicts held: an append is a write too
-            if where == "" and isinstance(v, (list, dict)):
+            if where == "" and type(v) in (list, dict):  # not a subclass: its methods are the user's (FrozenDict)
                 out[(_ITEMS, k)] = _Items(v)
         return out
 
@@ -215,7 +215,10 @@ _ITEMS = "[items]"  # the key prefix of a held list's or dict's items in a snaps
 
 
 class _Items:
-    """The items of a list or dict at a snapshot (the objects themselves, not copies)."""
+    """The items of a plain ``list`` or ``dict`` at a snapshot (the objects themselves, not copies). Put back through
+    the built-in type's own methods, and only where they changed: the capture calls no method a user class
+    defines (a subclass, such as diffusers' ``FrozenDict`` config that refuses ``update``, is compared by
+    identity)."""
 
     def __init__(self, held: Any):
         self.held = held
@@ -227,11 +230,13 @@ class _Items:
     __hash__ = None
 
     def put_back(self) -> None:
-        if isinstance(self.held, dict):
-            self.held.clear()
-            self.held.update(self.items)
+        if self == _Items(self.held):
+            return
+        if type(self.held) is dict:
+            dict.clear(self.held)
+            dict.update(self.held, self.items)
         else:
-            self.held[:] = self.items
+            list.__setitem__(self.held, slice(None), self.items)
 
 
 _MACHINERY = frozenset(vars(nn.Module())) | {"__dict__", "__class__"}  # nn.Module's own state (``training``: guarded)

@@ -168,6 +168,114 @@ def cases(op, n_samples: int = N_SAMPLES, every: int = 1) -> Iterator[Case]:
             yield Case(op.name, "inplace", si, 0, _call(inplace, flat, spec, 0, True), flat[0], forward_ad)
 
 
+#: call forms of :func:`keyword_cases`: every argument after the input by keyword; the first one by position and
+#: the rest by keyword; everything by keyword, the input too (torch functions only: a method's receiver is
+#: positional)
+CALL_FORMS = ("keywords", "mixed", "all_keywords")
+
+
+def _variants(op) -> list:
+    """``(name, callable)`` of an OpInfo's torch function and Tensor method, where they are torch's own (an OpInfo's
+    ``op`` is often a test lambda, whose signature says nothing of torch's)."""
+    out = []
+    for name, fn in (("function", op.op), ("method", op.method_variant)):
+        if fn is None or getattr(fn, "__name__", "<lambda>") == "<lambda>":
+            continue
+        module = getattr(fn, "__module__", None) or ""
+        if name == "method" or module.startswith("torch") or type(fn).__name__ == "builtin_function_or_method":
+            out.append((name, fn))
+    return out
+
+
+def _keyword_form(fn, method: bool, n_args: int, keys: frozenset, form: str):
+    """``(input_name, names)``: the keywords to pass the first ``n_args`` arguments by, in ``form``, from the
+    first of ``fn``'s signatures that takes them with the sample's own keywords; ``None`` if none does."""
+    from .registry import overloads
+
+    for ov in overloads(fn):
+        names = [n for n, _ in ov.positional]
+        if len(names) < 1 + n_args or any(k not in names[1 + n_args:] and k not in ov.keyword_only for k in keys):
+            continue
+        if form == "all_keywords":
+            return (None if method else names[0]), names[1:1 + n_args]
+        return None, names[1:1 + n_args]
+    return None
+
+
+def keyword_cases(op, n_samples: int = 8) -> Iterator[Case]:
+    """The cases of :func:`cases` called in other forms (:data:`CALL_FORMS`), with the keyword names taken from
+    torch's own signatures of the op (:func:`jvpreg.clone.registry.overloads`: the ATen schemas the argument parser
+    binds by). A form torch itself refuses, or that gives other values than the positional call, is not a case:
+    the sweep checks the engine on the calls torch accepts."""
+    torch.manual_seed(0)
+    samples = list(itertools.islice(op.sample_inputs("cpu", D, requires_grad=False), n_samples))
+    for vname, fn in _variants(op):
+        method = vname == "method"
+        for si, s in enumerate(samples):
+            args, kw = tuple(s.args), dict(s.kwargs)
+            if not isinstance(s.input, torch.Tensor):
+                continue
+            for form in CALL_FORMS:
+                if (form == "mixed" and len(args) < 2) or (form != "all_keywords" and not args) or (
+                        form == "all_keywords" and method):
+                    continue
+                names = _keyword_form(fn, method, len(args), frozenset(kw), form)
+                if names is None:
+                    continue
+                call = _formed_call(fn, names, form)
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        torch.manual_seed(0)
+                        want = fn(s.input, *args, **kw)
+                        torch.manual_seed(0)
+                        got = call(s.input, args, kw)
+                except Exception:
+                    continue  # torch refuses this form (or the sample itself)
+                if mismatch(got, want, want, "form"):
+                    continue
+                flat, spec = tree_flatten((s.input, args, kw))
+                floats = [i for i, v in enumerate(flat) if _is_float(v) and v.dtype == D][:MAX_OPERANDS]
+                forward_ad = (f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name) \
+                    not in REVERSE_REFERENCE
+                definition = DEFINITIONS.get(op.name)
+                for i in floats:  # the reference: the positional call (the same values, checked above)
+                    ref = None if definition is None else _call(definition, flat, spec, i, False)
+                    yield Case(op.name, f"{vname}.{form}", si, i, _formed(call, flat, spec, i), flat[i], forward_ad,
+                               ref)
+
+
+def _formed_call(fn, names: tuple, form: str) -> Callable:
+    first, rest = names
+
+    def call(inp, args, kw):
+        if form == "mixed":
+            return fn(inp, args[0], **dict(zip(rest[1:], args[1:])), **kw)
+        by_name = dict(zip(rest, args), **kw)
+        return fn(**{first: inp}, **by_name) if first is not None else fn(inp, **by_name)
+
+    return call
+
+
+def _formed(call, flat, spec, i):
+    def fn(x):
+        f2 = list(flat)
+        f2[i] = x
+        inp, args, kw = tree_unflatten(f2, spec)
+        return call(inp, args, kw)
+
+    return fn
+
+
+def run_keyword_op(op, n_samples: int = 8) -> list:
+    """Every case of :func:`keyword_cases` of one OpInfo, run on the eager engine."""
+    try:
+        cs = list(keyword_cases(op, n_samples))
+    except Exception as err:  # pragma: no cover - depends on the torch version
+        return [Result(Case(op.name, "", -1, -1, None, None), "skip", f"samples failed: {err}")]
+    return [run_case(c) for c in cs]
+
+
 def _tangent_like(x: torch.Tensor, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if x.is_complex():
