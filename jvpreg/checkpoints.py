@@ -216,7 +216,7 @@ def check_stored_config(config: Any, *, key: str, allowed: FrozenSet[str], path:
     if not isinstance(config, Mapping) or "_target_" not in config:
         raise UnsafeCheckpointError(f"{what}: the {key} config stored in {path} is not a config with a _target_ "
                                     f"(got {type(config).__name__}). {fix}")
-    for loc, name, value in [(key, "_target_", config["_target_"]), *_walk(config, key)]:
+    for loc, name, value in _walk(config, key):
         if name == "_target_" and value not in allowed:
             raise UnsafeCheckpointError(
                 f"{what}: the {key} config stored in {path} names {loc}={value!r}, which jvpreg does not build "
