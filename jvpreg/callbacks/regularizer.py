@@ -346,6 +346,11 @@ class JVPRegularizer(Callback):
             captured once per input signature on its second step (compiled when the network is ``torch.compile``-d),
             ``"eager"`` forces op-by-op clone mode; regularizers of one module must agree.
 
+    Warns:
+        PenaltyScaleWarning: once per fit, in ``training_step`` before the optimizer step, when the penalty is
+            non-finite or its weighted value is over 100x the task loss in the first 3 regularized steps (one
+            host read each; later non-finite values are read once per epoch). See :mod:`.scale_check`.
+
     Raises:
         TypeError: arguments of the wrong type.
         ValueError: out-of-range values or unknown schedule; at ``setup``, an unknown ``module``.
