@@ -261,3 +261,18 @@ def test_nested_targets_data_targets_remote_code_and_interpolations_are_refused(
     with pytest.raises(UnsafeCheckpointError, match=r"is not a config with a _target_ \(got str\)"):
         evaluate(eval_cfg(tmp_path, with_config(tmp_path, ckpt, "str.ckpt", model="torch.load")))
     assert not marker.exists()
+
+
+EXTERNAL = {"timm": ["model=timm", "model.name=vit_tiny_patch16_224", "+model.patch_size=2", "+model.depth=1",
+                     "+model.embed_dim=16", "+model.num_heads=2"],
+            "transformers": ["model=hf", "model.config.num_hidden_layers=1", "model.config.hidden_size=16",
+                             "model.config.intermediate_size=32"]}
+
+
+@pytest.mark.parametrize("package", sorted(EXTERNAL))
+def test_timm_and_hugging_face_checkpoints_are_rebuilt_from_their_stored_config(tmp_path, package):
+    pytest.importorskip(package)
+    result, _ = train(train_cfg(tmp_path / "run", *EXTERNAL[package], "robustness.enabled=false", "test=false"))
+    lit, run_config = load_checkpoint(result["paths"]["best_checkpoint"])
+    assert run_config["model"]["_target_"] in checkpoints.MODEL_TARGETS
+    assert lit.net(torch.rand(2, 1, 8, 8)).shape == (2, 10)
