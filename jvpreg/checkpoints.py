@@ -27,7 +27,7 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from typing import Any, Dict, FrozenSet, List, Tuple
 
-__all__ = ["DATA_TARGETS", "MODEL_TARGETS", "SAFE_GLOBALS", "TRUST_HINT", "UnsafeCheckpointError",
+__all__ = ["DATA_TARGETS", "MODEL_TARGETS", "REFUSED_KEYS", "SAFE_GLOBALS", "TRUST_HINT", "UnsafeCheckpointError",
            "check_stored_config", "lightning_loading", "read_checkpoint"]
 
 #: Globals a jvpreg checkpoint needs beyond torch's weights-only allowlist. None: checkpoints of
