@@ -29,6 +29,9 @@ Implementation choices:
 * Regularizer callbacks whose ``weight`` is 0 are skipped (identical to plain training, half the
   cost), so ``regularizer.weight=0`` is the no-regularization baseline of a sweep.
 * The robustness evaluation runs on global rank 0 only, on the best checkpoint's weights.
+* Every checkpoint it opens (``ckpt_path`` to resume or test, the best checkpoint it reloads) is
+  unpickled weights-only (:mod:`jvpreg.checkpoints`); ``trust_checkpoint=true`` lifts that for a
+  file you trust (it runs code from the file).
 * Hydra, wandb and matplotlib are imported here (or lazily), never by ``import jvpreg``.
 * timm / Hugging Face models (``model=timm``, ``model=hf*``): the optional package is checked before
   building (``ImportError`` with the ``pip install``), and one eval-mode forward of a zero image
@@ -297,6 +300,7 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     from hydra.utils import instantiate
 
     from jvpreg.callbacks.strategies import is_fully_sharded, unsharded_copy
+    from jvpreg.checkpoints import lightning_loading, read_checkpoint
     from jvpreg.lit import ImageClassifier, MetricsHistory
     from jvpreg.robustness import evaluate_robustness
 
@@ -339,15 +343,19 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         lg.log_hyperparams(run_config)
 
     metrics: Dict[str, Any] = {}
+    trust = bool(cfg.get("trust_checkpoint", False))
     if cfg.get("train", True):
-        trainer.fit(lit, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        with lightning_loading(cfg.get("ckpt_path"), what="jvpreg-train", trust=trust) as weights_only:
+            trainer.fit(lit, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=weights_only)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
     best = _best_checkpoint(trainer)
     if not cfg.get("train", True):
         best = cfg.get("ckpt_path")
     _sync_csv_header(loggers)
     if cfg.get("test", True) and not trainer.fast_dev_run:
-        test_out = trainer.test(lit, datamodule=datamodule, ckpt_path=best, verbose=False)
+        with lightning_loading(best, what="jvpreg-train", trust=trust) as weights_only:
+            test_out = trainer.test(lit, datamodule=datamodule, ckpt_path=best, verbose=False,
+                                    weights_only=weights_only)
         if test_out:
             metrics.update({k: float(v) for k, v in test_out[0].items()})
     elif cfg.get("test", True):  # fast_dev_run: one test batch on the current weights
@@ -363,7 +371,7 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         eval_lit = lit if full is None else ImageClassifier(full)
     if trainer.is_global_zero and rob_cfg.get("enabled", True) and not trainer.fast_dev_run:
         if best:
-            state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
+            state = read_checkpoint(best, what="jvpreg-train", trust=trust)["state_dict"]
             eval_lit.load_state_dict(state)
         eval_lit.to(trainer.strategy.root_device)
         datamodule.setup("test")

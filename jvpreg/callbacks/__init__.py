@@ -9,10 +9,11 @@ on first attribute access (kept out of ``__all__`` so a star import never depend
 from ..losses.base import regularized_forward
 from .regularizer import (ConstraintRegularizer, JacobianRegularizer, JVPRegularizer, ParameterSensitivityRegularizer,
                           SpectralRegularizer, TangentPropRegularizer)
+from .scale_check import PenaltyScaleWarning
 from .shared import SharedForward
 
 __all__ = [
-    "ConstraintRegularizer", "JVPRegularizer", "JacobianRegularizer",
+    "ConstraintRegularizer", "JVPRegularizer", "JacobianRegularizer", "PenaltyScaleWarning",
     "ParameterSensitivityRegularizer", "SharedForward", "SpectralRegularizer", "TangentPropRegularizer",
     "regularized_forward",
 ]

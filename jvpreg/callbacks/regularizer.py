@@ -44,6 +44,7 @@ from ..losses.constraints import TRANSFORMS, JVPConstraint, TangentProp
 from ..losses.jacobian import JacobianFrobenius, JacobianSpectralNorm
 from ..losses.sensitivity import ParameterSensitivity
 from ..clone import JVPFallbackWarning
+from .scale_check import ScaleCheck
 from .shared import SharedForward
 from .strategies import check_strategy, destroy_process_group_at_exit
 
@@ -158,9 +159,11 @@ class _Coordinator:
                                    "training_step, so no penalty was computed. Pass module='<attribute path>' of the "
                                    "submodule your training_step calls (e.g. module='net').")
             total = None
+            task = out if isinstance(out, torch.Tensor) else out.get("loss") if isinstance(out, Mapping) else None
             for path, cbs in groups.items():
                 sf = self.forwards[path]
                 values = list(sf.values)
+                offset = 0
                 for cb, w in cbs:
                     n = len(cb.terms)
                     mine, values = values[:n], values[n:]
@@ -169,6 +172,9 @@ class _Coordinator:
                         v = v if tw == 1.0 else v * tw
                         value = v if value is None else value + v
                     cb._record(pl_module, value, w, sf.batch_size)
+                    cb._check_scale(value, w, task if isinstance(task, torch.Tensor) else None, step,
+                                    sf.plan.slots[offset].context.output if sf.plan is not None else None)
+                    offset += n
                     term = value * w
                     total = term if total is None else total + term
             out = _add_to_loss(out, total)
@@ -265,7 +271,9 @@ def _describe(value: Any) -> str:
         data = value.detach().cpu().contiguous().flatten().view(torch.uint8)
         return f"tensor{tuple(value.shape)}{value.dtype}:{hashlib.sha1(data.numpy().tobytes()).hexdigest()[:12]}"
     if isinstance(value, JVPPenalty):
-        public = {k: v for k, v in vars(value).items() if not k.startswith("_") and k != "training"}
+        later = getattr(value, "fingerprint_defaults", {})  # options described only when not at their default
+        public = {k: v for k, v in vars(value).items()
+                  if not k.startswith("_") and k != "training" and not (k in later and v == later[k])}
         return f"{type(value).__name__}({_describe(public)})"
     if callable(value):
         return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
@@ -338,6 +346,11 @@ class JVPRegularizer(Callback):
             captured once per input signature on its second step (compiled when the network is ``torch.compile``-d),
             ``"eager"`` forces op-by-op clone mode; regularizers of one module must agree.
 
+    Warns:
+        PenaltyScaleWarning: once per fit, in ``training_step`` before the optimizer step, when the penalty is
+            non-finite or its weighted value is over 100x the task loss in the first 3 regularized steps (one
+            host read each; later non-finite values are read once per epoch). See :mod:`.scale_check`.
+
     Raises:
         TypeError: arguments of the wrong type.
         ValueError: out-of-range values or unknown schedule; at ``setup``, an unknown ``module``.
@@ -409,6 +422,7 @@ class JVPRegularizer(Callback):
         self.steps_applied = 0
         self._last_value: Optional[torch.Tensor] = None  # a device tensor: read only when asked for (a host sync)
         self._total_steps: Optional[int] = total_steps
+        self._scale = ScaleCheck()  # warns when the penalty is non-finite or dwarfs the task loss (scale_check.py)
         self._state_key = self._generate_state_key(name=self.name, config=_fingerprint(self))
 
     @property
@@ -453,6 +467,22 @@ class JVPRegularizer(Callback):
             return batch[self.target_index]
         return None
 
+    def _reduction_hint(self) -> Optional[str]:
+        """The argument that averages this callback's penalty over the output elements, if it sums over them."""
+        pens = [p for p, _, _ in self.terms]
+        if not pens or not all(isinstance(p, JacobianFrobenius) and p.reduction == "sum" for p in pens):
+            return None
+        return f"{type(self).__name__ if isinstance(self, JacobianRegularizer) else 'JacobianFrobenius'}" \
+               "(..., reduction='mean')"
+
+    def _check_scale(self, value: torch.Tensor, weight: float, task: Optional[torch.Tensor], step: int,
+                     output: Optional[torch.Tensor]) -> None:
+        """:class:`ScaleCheck` of this step (host reads on the first :data:`CHECK_STEPS` steps only)."""
+        hint = self._reduction_hint()
+        size = int(output[0].numel()) if hint and isinstance(output, torch.Tensor) and output.dim() > 0 else None
+        self._scale.observe(f"{type(self).__name__}(name={self.name!r}, weight={weight:g})", value, weight, task,
+                            step=step, output_size=size, reduction_hint=hint)
+
     def _record(self, pl_module: LightningModule, value: torch.Tensor, weight: float, batch_size: Optional[int]):
         self.steps_applied += 1
         v = self._last_value = value.detach()
@@ -481,10 +511,14 @@ class JVPRegularizer(Callback):
                 raise ValueError(f"{type(self).__name__}(name={self.name!r}): schedule='cosine' needs total_steps= "
                                  "when the Trainer has no max_steps/max_epochs limit.")
             self._total_steps = int(est)
+        self._scale.reset()
         coord = _COORDINATORS.get(pl_module)
         if coord is None:
             coord = _COORDINATORS[pl_module] = _Coordinator(pl_module)
         coord.attach(self)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._scale.flush()  # one host read per epoch: a penalty that became non-finite after the checked steps
 
     def _detach(self, pl_module: LightningModule) -> None:
         coord = _COORDINATORS.get(pl_module)
@@ -492,6 +526,8 @@ class JVPRegularizer(Callback):
             _COORDINATORS.pop(pl_module, None)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._scale.flush()
         self._detach(pl_module)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -518,7 +554,8 @@ class JacobianRegularizer(JVPRegularizer):
 
     Args:
         weight: the penalty weight.
-        n_projections, distribution, normalize, seed: see :class:`~jvpreg.losses.JacobianFrobenius`.
+        n_projections, distribution, normalize, reduction, seed: see :class:`~jvpreg.losses.JacobianFrobenius`
+            (``reduction="mean"`` for dense outputs: the penalty per output element).
         **kwargs: the options of :class:`JVPRegularizer` (schedule, every_n_steps, module, ...).
 
     Example::
@@ -527,8 +564,10 @@ class JacobianRegularizer(JVPRegularizer):
     """
 
     def __init__(self, weight: float, n_projections: int = 1, distribution: str = "gaussian",
-                 normalize: Optional[str] = None, *, seed: Optional[int] = None, **kwargs: Any):
-        pen = JacobianFrobenius(n_projections, distribution, normalize, seed=seed, output_key=kwargs.get("output_key"))
+                 normalize: Optional[str] = None, *, reduction: str = "sum", seed: Optional[int] = None,
+                 **kwargs: Any):
+        pen = JacobianFrobenius(n_projections, distribution, normalize, reduction=reduction, seed=seed,
+                                output_key=kwargs.get("output_key"))
         super().__init__(pen, weight, **kwargs)
 
 

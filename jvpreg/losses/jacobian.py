@@ -36,8 +36,9 @@ def _unit_rows(v: torch.Tensor, radius: float = 1.0, eps: float = 0.0) -> torch.
 class JacobianFrobenius(JVPPenalty):
     """Hutchinson estimate of the mean squared Frobenius norm of the input-output Jacobian.
 
-    ``penalty = c / (k m) * sum_{j<k} sum_{b<m} ||(J_f(x) u_j)_b||²`` with ``E[u uᵀ] = I``, so
-    ``E[penalty] = c * (1/m) * sum_b ||J_f(x_b)||_F²`` (``c = 1``, or ``1/2`` with ``normalize="hoffman"``).
+    ``penalty = c / (k m n) * sum_{j<k} sum_{b<m} ||(J_f(x) u_j)_b||²`` with ``E[u uᵀ] = I``, so
+    ``E[penalty] = c / n * (1/m) * sum_b ||J_f(x_b)||_F²`` (``c = 1``, or ``1/2`` with ``normalize="hoffman"``;
+    ``n = 1``, or the number of output elements per sample with ``reduction="mean"``).
     With train-mode BatchNorm ``f`` maps the whole batch and the estimate includes the (small)
     cross-sample blocks of its Jacobian. One forward of ``(1 + k) B`` rows.
 
@@ -48,11 +49,13 @@ class JacobianFrobenius(JVPPenalty):
             jacobian_regularizer): each sample's direction is rescaled to norm ``sqrt(D)`` (uniform on
             the sphere for ``"gaussian"``) and the penalty carries their factor 1/2, so their
             ``lambda_JR`` transfers as the weight (see the module docstring).
+        reduction: ``"sum"`` over a sample's output elements (the squared Frobenius norm), or ``"mean"``
+            over them: for dense outputs (segmentation, images), whose sum grows with the output size.
         name, output_key, seed: see :class:`JVPPenalty`.
 
     Raises:
         TypeError: ``n_projections`` not an int.
-        ValueError: ``n_projections < 1`` or an unknown ``distribution``/``normalize``.
+        ValueError: ``n_projections < 1`` or an unknown ``distribution``/``normalize``/``reduction``.
 
     Example::
 
@@ -62,13 +65,19 @@ class JacobianFrobenius(JVPPenalty):
         >>> loss.backward()
     """
 
+    #: options added after checkpoints stored this penalty's configuration: described in a callback's
+    #: ``state_key`` only when they differ from these defaults, so that older checkpoints still resume.
+    fingerprint_defaults = {"reduction": "sum"}
+
     def __init__(self, n_projections: int = 1, distribution: str = "gaussian", normalize: Optional[str] = None, *,
-                 name: Optional[str] = None, output_key: Any = None, seed: Optional[int] = None):
+                 reduction: str = "sum", name: Optional[str] = None, output_key: Any = None,
+                 seed: Optional[int] = None):
         super().__init__(name=name, output_key=output_key, seed=seed)
         where = "JacobianFrobenius(...)"
         self.n_projections = check_int(where, "n_projections", n_projections, 1)
         self.distribution = check_choice(where, "distribution", distribution, ("gaussian", "rademacher"))
         self.normalize = check_choice(where, "normalize", normalize, (None, "hoffman"))
+        self.reduction = check_choice(where, "reduction", reduction, ("sum", "mean"))
 
     def directions(self, x: torch.Tensor, context: PenaltyContext) -> torch.Tensor:
         with torch.no_grad():
@@ -80,12 +89,13 @@ class JacobianFrobenius(JVPPenalty):
 
     def penalty(self, jvp: torch.Tensor, context: PenaltyContext) -> torch.Tensor:
         k, m = jvp.shape[0], jvp.shape[1]
-        value = accum(jvp).pow(2).sum() / (k * m)
+        n = math.prod(jvp.shape[2:]) if self.reduction == "mean" else 1
+        value = accum(jvp).pow(2).sum() / (k * m * n)
         return value * 0.5 if self.normalize == "hoffman" else value
 
     def extra_repr(self) -> str:
         return (f"n_projections={self.n_projections}, distribution={self.distribution!r}, "
-                f"normalize={self.normalize!r}, " + super().extra_repr())
+                f"normalize={self.normalize!r}, reduction={self.reduction!r}, " + super().extra_repr())
 
 
 @contextlib.contextmanager
