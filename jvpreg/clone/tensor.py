@@ -67,6 +67,13 @@ class CloneTensor(torch.Tensor):
             return f"CloneTensor(blocks={k}, logical_shape={tuple(self.shape[1:])}, primal=\n{self[0]!r})"
 
 
+# Libraries that pick an array backend from the array's class module (opt_einsum's and autoray's ``infer_backend``:
+# ``x.__class__.__module__.split('.')[0]``, reached by tensorly's opt_einsum plugin in neuraloperator's FNO) must
+# see a clone batch as torch's own tensor: under "jvpreg" they fall back to numpy, which cannot hold it. The class
+# stays importable as jvpreg.clone.tensor.CloneTensor; a clone batch never outlives its forward, so nothing pickles
+# it by this name.
+CloneTensor.__module__ = "torch"
+
 _DISPATCH: list = [None]  # set by jvpreg.clone.dispatch (which imports this module)
 _METADATA: set = set()  # getters of metadata (shape, dtype, ...) answered outside a clone forward too, for the
 # physical batch: a clone that autograd saved inside a rule (subclass dispatch off) reads so there, and
