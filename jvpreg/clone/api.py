@@ -23,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import difflib
 import math
+import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_map, tree_unflatten
 
-from . import capture, functions, stored_clones
+from . import callables, capture, functions, stored_clones
 from .compiled_code import between_graphs
 from .device_paths import on_host
 from .dispatch import UnsupportedOpError, check_not_custom_output
@@ -436,10 +437,12 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
         engine: how the clone forward runs (:mod:`jvpreg.clone.capture`): ``"captured"`` records it
             once per call signature as a plain aten program and replays it; ``"compiled"`` runs that
             program under ``torch.compile``; ``"eager"`` dispatches every op through the rules.
-            ``"auto"``: ``"compiled"`` for a ``torch.compile``-d module; for other modules ``"eager"`` on the
-            first call of a call signature and ``"captured"`` from the second on (a capture costs 10-170x an
-            eager call: not worth it for a call made once); ``"eager"`` for plain functions (whose Python
-            state cannot be guarded).
+            ``"auto"``: ``"compiled"`` for a ``torch.compile``-d module; for other modules and callables
+            ``"eager"`` on the first call of a call signature and ``"captured"`` from the second on (a capture
+            costs 10-170x an eager call: not worth it for a call made once). Partials, lambdas, closures and
+            bound methods are taken apart (:mod:`jvpreg.clone.callables`): the tensors they close over or bind
+            are program inputs, so ``jvp(partial(model, y=c), (z, t, r), (v, 1, 0))`` made anew at every step
+            replays one program; one that cannot be taken apart runs eagerly with a ``JVPCaptureWarning``.
             All engines give the same numbers.
 
     Returns:
@@ -476,25 +479,63 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
         raise ValueError(f"{where}: every tangent must carry the same number of directions k, got {sorted(ks)}.")
     tans = tuple(t if batched_tangents else t.unsqueeze(0) for t in tangents)
     target = capture.unwrap_compiled(func)
-    program = engine != "eager" and isinstance(target, nn.Module)
-    n = len(primals)
+    module, parts = target, None
+    if engine != "eager" and not isinstance(target, nn.Module):
+        # a partial, lambda, closure or bound method: its values become program inputs, its modules are guarded
+        parts = callables.take_apart(target)
+        if parts.reason:
+            _warn_uncaptured(target, parts.reason)
+            engine, parts = "eager", None
+        else:
+            module = parts.module
+    n, m = len(primals), len(parts.values) if parts is not None else 0
+    values = tuple(parts.values) if parts is not None else ()
+    program = engine != "eager"
+
+    def run(*flat):  # the flat inputs less the callable's values, and the callable rebuilt from them (traced)
+        if parts is None:
+            return flat, target
+        return flat[:len(flat) - m], parts.rebuild(flat[len(flat) - m:])
+
+    key = ("jvp", n, batched_tangents, has_aux) + ((parts.structure,) if parts is not None else ())
     if program and scale == "auto" and not host_scales(primals[0]):
         # on an accelerator the scales are kernels: recorded into the program with the rest, which a compiled
         # program fuses into one or two kernels (launched one by one, they cost a small model as much as its JVP)
         k = tans[0].shape[0]
-        return capture.call(target, (*primals, *tans), engine=engine, key=("jvp", n, batched_tangents, has_aux),
-                            fn=lambda *flat: _jvp_body(target, flat[:n], flat[n:],
-                                                       _program_scales(flat[:n], flat[n:], k), has_aux,
-                                                       batched_tangents, where))
+
+        def body(*flat):
+            flat, f = run(*flat)
+            return _jvp_body(f, flat[:n], flat[n:], _program_scales(flat[:n], flat[n:], k), has_aux,
+                             batched_tangents, where)
+
+        return capture.call(module, (*primals, *tans, *values), engine=engine, key=key, fn=body)
     s, finite = _scales(list(zip(primals, tans)), tans[0].shape[0], scale, shared=program)  # the program only reads s
     if program:
-        # pack, forward and unpack recorded as one program: x, u, s in; output, tangent (and aux) out
-        return capture.call(target, (*primals, *tans, s), engine=engine, key=("jvp", n, batched_tangents, has_aux),
-                            finite=True if finite else None,
-                            fn=lambda *flat: _jvp_body(target, flat[:n], flat[n:2 * n], flat[-1], has_aux,
-                                                       batched_tangents, where))
+        def body(*flat):
+            flat, f = run(*flat)
+            return _jvp_body(f, flat[:n], flat[n:2 * n], flat[-1], has_aux, batched_tangents, where)
+
+        # pack, forward and unpack recorded as one program: x, u, s (and the callable's values) in; output, tangent
+        # (and aux) out. The norms vouch for x and u only: with values that hold tensors, the guard checks them all
+        finite = True if finite and not any(isinstance(v, torch.Tensor) for v in tree_flatten(values)[0]) else None
+        return capture.call(module, (*primals, *tans, s, *values), engine=engine, key=key, finite=finite, fn=body)
     with functions.active(target), capture.uncompiled(target):
         return _jvp_body(target, primals, tans, s, has_aux, batched_tangents, where)
+
+
+_WARNED_UNCAPTURED: set = set()
+
+
+def _warn_uncaptured(func: Callable, reason: str) -> None:
+    """One :class:`JVPCaptureWarning` per callable kind and reason: it runs eagerly (exact, slower)."""
+    name = getattr(func, "__qualname__", None) or type(func).__name__
+    if (name, reason) in _WARNED_UNCAPTURED:
+        return
+    _WARNED_UNCAPTURED.add((name, reason))
+    warnings.warn(f"jvpreg.jvp: {name} runs in eager clone mode (exact, but slower) because it cannot be captured: "
+                  f"{reason}. Pass the model itself (an nn.Module), or a partial or lambda of it whose other values "
+                  "are tensors, plain values or containers of them; engine='eager' silences this warning.",
+                  capture.JVPCaptureWarning, stacklevel=3)
 
 
 def _program_scales(primals: Sequence[torch.Tensor], tans: Sequence[torch.Tensor], k: int) -> torch.Tensor:

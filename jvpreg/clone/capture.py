@@ -223,8 +223,9 @@ def uncompiled(module: Any):
 
 
 def resolve_engine(engine: str, func: Any, where: str) -> str:
-    """``"auto"`` -> ``"compiled"`` for compiled modules, ``"auto"`` (captured from the second call of a
-    signature: :data:`EAGER_CALLS_BEFORE_CAPTURE`) for modules, ``"eager"`` otherwise."""
+    """``"auto"`` -> ``"compiled"`` for compiled modules, ``"eager"`` for other compiled functions, ``"auto"``
+    (captured from the second call of a signature: :data:`EAGER_CALLS_BEFORE_CAPTURE`) for modules and every other
+    callable (:mod:`jvpreg.clone.callables` takes partials, lambdas and closures apart for the capture)."""
     if engine not in ENGINES:
         raise ValueError(f"{where}: expected engine to be one of {', '.join(repr(e) for e in ENGINES)}, "
                          f"got {engine!r}.")
@@ -232,7 +233,7 @@ def resolve_engine(engine: str, func: Any, where: str) -> str:
         return engine
     if is_compiled(func):
         return "compiled" if isinstance(unwrap_compiled(func), nn.Module) else "eager"
-    return "auto" if isinstance(func, nn.Module) else "eager"
+    return "auto"
 
 
 # --------------------------------------------------------------------------------- per-module state
