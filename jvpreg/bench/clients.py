@@ -474,6 +474,12 @@ def to_markdown(rows: Sequence[Dict[str, Any]], meta: Dict[str, Any]) -> str:
           ms(r, "jvpreg"), ms(r, "torch.func.jvp"), ms(r, "autograd.functional.jvp"),
           fmt_ratio(r.get("jvpreg_over_forward_2B")), fmt_ratio(r.get("torch_func_over_jvpreg")),
           fmt_ratio(r.get("double_backward_over_jvpreg"))] for r in rows], align="lllc" + "r" * 8)
+    if any("jvpreg_compiled" in r.get("median_s", {}) for r in rows):  # --compiled
+        table += "\n\n" + md_table(["model", "jvpreg compiled ms", "compiled / fwd 2B"],
+                                    [[r["model"], ms(r, "jvpreg_compiled"),
+                                      fmt_ratio(r["median_s"]["jvpreg_compiled"] / r["median_s"]["forward_2B"])
+                                      if "jvpreg_compiled" in r["median_s"] and "forward_2B" in r["median_s"]
+                                      else "-"] for r in rows])
     gm = geo_mean(r.get("jvpreg_over_forward_2B") for r in rows)
     gf = geo_mean(r.get("torch_func_over_jvpreg") for r in rows)
     failed = [f"- `{r['model']}` {n}: {e}" for r in rows for n, e in r.get("failed", {}).items()]
