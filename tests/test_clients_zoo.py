@@ -171,6 +171,11 @@ def _task_loss(task, out, target):
     return F.mse_loss(out, target)  # denoising (noise target), regression, features
 
 
+def _first(out):
+    """The sample of a ``return_dict=False`` tuple, as its users take ``model(...)[0]``."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 class _Lit(pl.LightningModule):
     def __init__(self, net, f):
         super().__init__()
@@ -178,7 +183,7 @@ class _Lit(pl.LightningModule):
 
     def training_step(self, batch, _):
         x, target = batch
-        return _task_loss(self.task, self.f(x), target)
+        return _task_loss(self.task, _first(self.f(x)), target)
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
@@ -191,7 +196,7 @@ def fit_client(name: str, steps: int = 4, b: int = 4) -> dict:
     net = no_dropout(client.build()).train()
     f, (x,), _ = client.call(net, b, torch.float32, torch.Generator().manual_seed(1))
     with torch.no_grad():
-        out = f(x)
+        out = _first(f(x))
     if client.task == "classify":
         target = torch.randint(0, out.shape[-1], (steps * b,))
     elif client.task == "segment":
