@@ -89,9 +89,16 @@ def _close(got, want, what):
     return err
 
 
+#: train mode not run: its forward is the eval forward (no BatchNorm, dropout and drop-path 0), and its capture in
+#: train mode costs 12x the eval one (24 s against 2 s of CPU on the 2-core machine, inside capture._capture)
+SAME_IN_TRAIN = {"timm_convnext"}
+
+
 def _params(mode):
     out = []
     for c in [*CLIENTS, MEAN_FLOW]:
+        if mode == "train" and c.name in SAME_IN_TRAIN:
+            continue
         if mode == "eval":
             slow = c.name in SLOW_EVAL
         else:
@@ -189,7 +196,7 @@ class _Lit(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def fit_client(name: str, steps: int = 4, b: int = 4) -> dict:
+def fit_client(name: str, steps: int = 4, b: int = 4, weight: float = 1e-3) -> dict:
     """``steps`` optimizer steps of a Lightning fit with the regularizer added in one line."""
     client = by_name(name)
     torch.manual_seed(0)
@@ -207,7 +214,7 @@ def fit_client(name: str, steps: int = 4, b: int = 4) -> dict:
     lit = _Lit(net, f)
     lit.task = client.task
     input_key, output_key = client.fit
-    reg = JacobianRegularizer(weight=1e-3, module="net", reduction="mean", input_key=input_key, output_key=output_key)
+    reg = JacobianRegularizer(weight=weight, module="net", reduction="mean", input_key=input_key, output_key=output_key)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, target), batch_size=b)
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[reg])
@@ -227,3 +234,11 @@ def test_client_fit_with_jacobian_regularizer(name):
     assert got["scale_warned"] == (name in SCALE_WARNS), got
     assert got["penalty"] is not None and math.isfinite(got["penalty"]) and got["penalty"] > 0, got
     assert got["capture_warned"] == [], got
+
+
+@pytest.mark.slow
+def test_client_fit_warns_when_the_penalty_outweighs_the_task_loss():
+    """The same fit with a weight 1e13x larger (its penalty per output element is 2e-5): the weighted penalty is over 100x the task loss (PenaltyScaleWarning),
+    and the fit still completes."""
+    got = fit_client("fno", weight=1e10)
+    assert got["steps"] == 4 and got["scale_warned"], got
