@@ -6,8 +6,9 @@ called the way its users call it: the module itself, ``functools.partial(model, 
 (``lambda z: model(z, t, class_labels=y).sample``). ``tests/test_clients_zoo.py`` checks every one against
 ``torch.func.jvp`` in float64; this benchmark times them.
 
-Per model, side by side in one process, interleaved repeats with medians (:func:`jvpreg.bench.report.measure_clocks`
-conventions): the plain forward of ``B`` rows and of ``2B`` rows (the physical floor of a one-tangent clone JVP),
+Per model, side by side in one process, interleaved repeats (one call of each method per round) and medians of the
+process CPU clock (with one torch thread, the wall time of an idle machine: :func:`jvpreg.bench.report.measure_clocks`):
+the plain forward of ``B`` rows and of ``2B`` rows (the physical floor of a one-tangent clone JVP),
 ``jvpreg.jvp`` on the call form its users write with the default engine (``"auto"``: eager on a signature's first
 call, captured from its second; the timed calls are steady state), ``torch.func.jvp`` and
 ``torch.autograd.functional.jvp`` (double backward), all without gradients kept except the double backward's.
