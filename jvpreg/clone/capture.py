@@ -113,6 +113,7 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpointed_regions, compiled_code, device_paths, functions, kernels, sharded_units
 from . import tensor as _tensor
 from .dispatch import _FALLBACK
+from .registry import Handlers
 from .guards import Guard, ValueReads, dynamic_shapes, split
 from .replay import replay_function
 from .side_effects import (AttributeReads, Attributes, Generators, Globals, argument_objects, changed,
@@ -475,7 +476,7 @@ def _key(rec: _Record, call_id: Any, in_spec: Any, leaves: List[Any], slot_value
     return (call_id, in_spec, sigs, slot_sig,
             rec.root_flagged and rec.root().training, tuple(map(_TRAINING, rec.flagged)), torch.is_grad_enabled(),
             _autocast_state(), torch.get_default_dtype(),  # factory ops without a dtype (torch.full, arange)
-            _FALLBACK["mode"], device_paths.simulated())
+            _FALLBACK["mode"], device_paths.simulated(), Handlers.version)  # the rules the program ran
 
 
 def _varying_sizes(keys: List[Tuple[Any, ...]]) -> str:

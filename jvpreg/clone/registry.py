@@ -37,7 +37,42 @@ from .tensor import is_clone, wrap, wrap_tree
 
 Handler = Callable[[Callable, tuple, dict], Any]
 
-HANDLERS: Dict[Any, Handler] = {}
+class Handlers(dict):
+    """The registry's table, op -> handler, with a ``version`` that every change bumps: a captured program is
+    recorded under the version of the rules it ran (:func:`jvpreg.clone.capture.call`), so a rule registered,
+    replaced or removed later records the program again."""
+
+    version = 0
+
+    def _bump(self):
+        Handlers.version += 1
+
+    def __setitem__(self, key, value):
+        self._bump()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._bump()
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self._bump()
+        return super().pop(*args)
+
+    def update(self, *args, **kwargs):
+        self._bump()
+        super().update(*args, **kwargs)
+
+    def clear(self):
+        self._bump()
+        super().clear()
+
+    def setdefault(self, key, default=None):
+        self._bump()
+        return super().setdefault(key, default)
+
+
+HANDLERS: Dict[Any, Handler] = Handlers()
 REENTRANT: set = set()  # handlers that run with torch-function enabled (decompositions)
 #: ops whose handler is exact on complex clones whatever their number (linear in every argument: add, cat...) or
 #: written for them (abs); other handlers see complex tangents only where :func:`dispatch.complex_exact` allows

@@ -195,3 +195,25 @@ def test_taking_apart_names_the_same_structure_for_new_instances():
     assert pa.structure == pb.structure and pa.module is net and pa.values[0] is not pb.values[0]
     assert callables.take_apart(functools.partial(net, w=2.0)).structure != callables.take_apart(
         functools.partial(net, w=3.0)).structure
+
+
+def test_a_rule_registered_after_a_capture_records_the_program_again():
+    """The rules a program ran are part of its key (``registry.Handlers.version``): a function of torch ops captured
+    with one rule is not replayed after the rule is replaced (before: the old rule's program replayed)."""
+    from conftest import sinh_rule_with_a_detached_slope
+    from jvpreg.clone import register_handler
+    from jvpreg.clone.registry import HANDLERS
+
+    x, u = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    f = lambda z: torch.sinh(z) * z  # noqa: E731
+    holder = callables.take_apart(f).module
+    jvpreg.jvp(f, (x,), (u,), engine="captured")
+    first = _programs(holder)
+    old = HANDLERS.pop(torch.sinh)
+    try:
+        register_handler(torch.sinh)(sinh_rule_with_a_detached_slope)
+        jvpreg.jvp(f, (x,), (u,), engine="captured")
+    finally:
+        HANDLERS[torch.sinh] = old
+    _check(f, (x,), (u,), engine="captured")
+    assert len(first) == 1 and len(_programs(holder)) == 3
