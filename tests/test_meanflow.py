@@ -88,7 +88,7 @@ def test_stop_gradient_is_what_the_test_sees():
     """Without the stop-gradient the gradients differ by far more than the tolerance: the comparison above can fail."""
     net = _randomized(MODELS[0]["build"]())
     x, e, r, t, y = _batch()
-    got = _grads(MeanFlowLoss()(net, x, y, r=r, t=t, noise=e).loss, net)
+    got = _grads(MeanFlowLoss(shared_forward=True)(net, x, y, r=r, t=t, noise=e).loss, net)
     tb = t[:, None, None, None]
     z, v = (1 - tb) * x + tb * e, e - x
     with sdpa_kernel(SDPBackend.MATH):
@@ -122,7 +122,7 @@ def test_train_mode_batchnorm_matches_double_backward_and_updates_stats_once():
     ref = _randomized(TimeUNet(1, 4, norm="batch")).train()
     x, e, r, t, y = _batch(3)
     want = reference_loss(ref, x, e, r, t, y, jvp="autograd")
-    got = MeanFlowLoss()(net, x, y, r=r, t=t, noise=e)
+    got = MeanFlowLoss(shared_forward=True)(net, x, y, r=r, t=t, noise=e)
     assert_tree_close(got.loss, want)
     assert_tree_close(_grads(got.loss, net), _grads(want, ref))
     plain(got.z, r, t, y=y)  # one plain forward: the running statistics the shared forward must leave
@@ -131,12 +131,13 @@ def test_train_mode_batchnorm_matches_double_backward_and_updates_stats_once():
 
 
 def test_dropout_one_mask_for_u_and_its_derivative():
-    """With dropout, the shared forward differentiates the very function (mask) whose output it trains."""
+    """With dropout, the shared forward differentiates the very function (mask) whose output it trains; the
+    separate one draws a second mask for u (as the references do)."""
     net = _randomized(DiT(1, 8, dim=16, depth=1, heads=2, zero_init=False))
     net.blocks[0].mlp.insert(1, nn.Dropout(0.3))
     x, e, r, t, y = _batch(4)
     torch.manual_seed(5)
-    got = MeanFlowLoss()(net, x, y, r=r, t=t, noise=e)
+    got = MeanFlowLoss(shared_forward=True)(net, x, y, r=r, t=t, noise=e)
     torch.manual_seed(5)
     u = net(got.z, r, t, y=y)
     torch.manual_seed(5)
@@ -146,6 +147,10 @@ def test_dropout_one_mask_for_u_and_its_derivative():
                                  (v, torch.zeros_like(r), torch.ones_like(t)))
     assert_tree_close(got.u, u)
     assert_tree_close(got.target, v - (t - r)[:, None, None, None] * dudt)
+    torch.manual_seed(5)
+    separate = MeanFlowLoss()(net, x, y, r=r, t=t, noise=e)
+    assert_tree_close(separate.target, got.target)
+    assert (separate.u - u).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("method", ["torch.func", "autograd"])

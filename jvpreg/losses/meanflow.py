@@ -1,22 +1,26 @@
-"""Mean-flow (Geng et al., 2025) and continuous-time consistency losses: the training forward and the
-JVP ``du/dt`` from ONE clone forward of ``[primal; tangent]`` rows.
+"""Mean-flow (Geng et al., 2025) and continuous-time consistency losses with ``du/dt`` from a clone forward of
+``[primal; tangent]`` rows, optionally shared with the training forward.
 
 ``z = (1 - t) x + t e``, ``v = e - x``, ``du/dt = d/dλ u(z + λ v, r, t + λ)|_0`` (the JVP of
 ``u(z, r, t)`` along ``(v, 0, 1)``), target ``u_tgt = v - (t - r) du/dt`` under stop-gradient, loss
 ``mean_b sg(w_b) ||Δ_b||²`` with ``Δ = u - u_tgt`` and ``w = 1 / (||Δ||² + c)^p``.
 
-Shared forward (``shared_forward=True``, the default): ``(z, r, t)`` are packed with tangents
-``(v, 0, 1)`` into clone batches (:func:`jvpreg.clone.api.pack`), the model runs once on them
-(:func:`jvpreg.clone.api.call`: captured program from the second call on), and
-:func:`jvpreg.clone.api.unpack` gives ``u`` (the primal rows: exactly the plain forward's output and
-its autograd graph, so ``∂loss/∂θ`` is exact) and ``du/dt`` (detached: the stop-gradient). Train-mode
-BatchNorm takes its statistics and running averages from the primal rows only, and dropout draws one
-mask for all rows, so ``du/dt`` is the derivative of the very function whose output is trained (two
-separate calls, as the references make them, draw two masks). Cost: one forward and one backward of
-``2B`` rows (the backward also runs over the tangent rows, whose gradient is zero).
-``shared_forward=False`` runs the clone JVP under ``torch.no_grad`` and then a plain forward with
-gradients (``2B`` rows forward without graph, then ``B`` rows forward and backward); use it for a model
-whose two calls must differ, and note that it updates BatchNorm running statistics twice.
+Two ways to run it, the same numbers (tests: float64, 1e-10):
+
+* ``shared_forward=True``: ``(z, r, t)`` are packed with tangents ``(v, 0, 1)`` into clone batches
+  (:func:`jvpreg.clone.api.pack`), the model runs once on them (:func:`jvpreg.clone.api.call`: captured
+  program from the second call on), and :func:`jvpreg.clone.api.unpack` gives ``u`` (the primal rows:
+  exactly the plain forward's output and its autograd graph, so ``∂loss/∂θ`` is exact) and ``du/dt``
+  (detached: the stop-gradient). Train-mode BatchNorm takes its statistics and running averages from
+  the primal rows only, and dropout draws one mask for all rows, so ``du/dt`` is the derivative of the
+  very function whose output is trained. Its backward also runs through the tangent rows'
+  linearisation (zero gradient, but every smooth op's second-order terms are evaluated), which on the
+  CPU costs more than a second plain forward: measured in ``experiments/results/bench_meanflow_cpu.md``.
+* ``shared_forward=False`` (default): the clone JVP under ``torch.no_grad`` (``2B`` rows, no graph),
+  then a plain forward of ``B`` rows with gradients: 2 forwards + 1 backward of ``B`` rows where the
+  references take a forward-mode or double-backward JVP plus the same forward. As in the references, the
+  two calls draw two dropout masks and update BatchNorm running statistics twice (the batch statistics,
+  hence ``u`` and ``du/dt``, are the same).
 
 ``objective="consistency"`` is the same JVP with ``r = 0``: ``u(z, 0, t)`` then maps ``z_t`` to
 ``z_0 = z_t - t u`` in one step, and ``u = v - t du/dt`` is the continuous-time consistency condition
@@ -30,7 +34,6 @@ random times, noise and dropped labels come from the global RNG, or from a priva
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Mapping, NamedTuple, Optional, Tuple
 
 import torch
@@ -99,7 +102,7 @@ class MeanFlowOutput(NamedTuple):
 
 
 class MeanFlowLoss(nn.Module):
-    """Mean-flow identity ``u(z, r, t) = v - (t - r) du/dt`` as a loss, JVP and training forward shared.
+    """Mean-flow identity ``u(z, r, t) = v - (t - r) du/dt`` as a loss, ``du/dt`` by a clone-mode JVP.
 
     ``loss = mean_b sg(w_b) ||u - sg(v - (t - r) (v ∂_z u + ∂_t u))||²_b``, ``w = 1 / (||Δ||² + c)^p``.
 
@@ -112,7 +115,8 @@ class MeanFlowLoss(nn.Module):
         label_key: keyword under which ``labels`` reach the model (``model(z, r, t, **{label_key: y})``).
         label_dropout: probability of replacing a label by the null label (classifier-free guidance training).
         null_label: the null label's index; ``None``: the model's ``null_label`` attribute.
-        shared_forward: one clone forward for ``u`` and ``du/dt`` (see the module docstring).
+        shared_forward: ``u`` from the clone forward's primal rows (one forward of ``2B`` rows with gradients)
+            instead of a second, plain forward after a no-grad clone JVP (see the module docstring).
         method: ``"clone"`` (jvpreg), or the references as public code writes them, for comparison:
             ``"torch.func"`` (``torch.func.jvp`` under the math attention backend) or ``"autograd"``
             (``torch.autograd.functional.jvp``, double backward) under the math attention backend (the fused
@@ -126,14 +130,14 @@ class MeanFlowLoss(nn.Module):
     Example::
 
         >>> loss_fn = MeanFlowLoss(label_dropout=0.1)
-        >>> out = loss_fn(dit, x, labels=y)           # one forward of 2B rows: u and du/dt
+        >>> out = loss_fn(dit, x, labels=y)           # clone JVP (2B rows, no graph), then u with gradients
         >>> out.loss.backward(); opt.step()
     """
 
     def __init__(self, *, objective: str = "meanflow", time_order: str = "rt", time_distribution: str = "logit_normal",
                  time_mean: float = -0.4, time_std: float = 1.0, equal_fraction: float = 0.75,
                  adaptive_p: float = 1.0, adaptive_c: float = 1e-3, label_key: str = "y", label_dropout: float = 0.0,
-                 null_label: Optional[int] = None, shared_forward: bool = True, method: str = "clone",
+                 null_label: Optional[int] = None, shared_forward: bool = False, method: str = "clone",
                  engine: str = "auto", scale: Any = "auto", seed: Optional[int] = None) -> None:
         super().__init__()
         where = "MeanFlowLoss(...)"
