@@ -7,7 +7,7 @@ unpatchify. Attention runs through ``F.scaled_dot_product_attention`` (fused ker
 backend allows). Every reshape uses positional shapes.
 
 Implementation choices: the two time inputs are embedded as ``t`` and ``t - r`` (the interval length;
-MeanFlow's best-performing choice), each by sinusoidal features of ``1000 * time`` and a 2-layer
+MeanFlow's best-performing choice), each by sinusoidal features of the time (unscaled: see :class:`TimeEmbedding`) and a 2-layer
 SiLU MLP; the class embedding has ``num_classes + 1`` rows, the last one the "null" label that
 classifier-free-guidance training puts in place of dropped labels (:attr:`DiT.null_label`). As in
 DiT, the modulation and output layers start at zero (``zero_init=False`` leaves PyTorch's init,
@@ -42,7 +42,10 @@ def sincos_table(dim: int, grid: tuple) -> torch.Tensor:
 
 
 class TimeEmbedding(nn.Module):
-    """``MLP(sin/cos(1000 t * f_k))``: a scalar time per sample ``(B,)`` to ``(B, dim)``.
+    """``MLP(sin/cos(t * f_k))``, ``f_k = 10000^(-k/K)``: a scalar time per sample ``(B,)`` to ``(B, dim)``.
+
+    Times in ``[0, 1]`` enter unscaled (no ``1000 t`` as in diffusion codebases): the mean-flow target holds
+    ``∂u/∂t``, which a ``1000 t`` embedding multiplies by up to 1000.
 
     Args:
         dim: output width.
@@ -57,7 +60,7 @@ class TimeEmbedding(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        angle = (1000.0 * t)[:, None] * self.freqs.to(t.dtype)[None]
+        angle = t[:, None] * self.freqs.to(t.dtype)[None]
         return self.mlp(torch.cat([angle.cos(), angle.sin()], dim=1))
 
 
