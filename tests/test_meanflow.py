@@ -2,6 +2,8 @@
 torch.autograd.functional.jvp where BatchNorm is in train mode), then a separate forward with gradients."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -245,3 +247,28 @@ def test_registry_builds_dit_and_time_unet():
     assert unet(torch.rand(2, 1, 8, 8), torch.zeros(2), torch.ones(2)).shape == (2, 1, 8, 8)
     with pytest.raises(ValueError, match="divisible by the patch size"):
         DiT(1, 7, patch_size=2)
+
+
+@pytest.mark.slow
+def test_digits_meanflow_experiment_runs(tmp_path, monkeypatch):
+    """``experiment=digits_meanflow`` end to end on two epochs: figures, quality scores and metrics are written."""
+    import json
+
+    from hydra import compose, initialize_config_module
+
+    from jvpreg.generative.run import train_generative
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    tmp = str(tmp_path)
+    with initialize_config_module("jvpreg.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.root_dir={tmp}", f"paths.work_dir={tmp}", f"paths.output_dir={tmp}/out",
+                                          "experiment=digits_meanflow", "logger=csv", "trainer.max_epochs=2",
+                                          "trainer.check_val_every_n_epoch=1", "trainer.enable_progress_bar=false",
+                                          "generative.samples_per_class=5", "model.depth=1"])
+    result, _ = train_generative(cfg)
+    for key in ("samples", "quality", "loss_curves", "metrics_json"):
+        assert os.path.getsize(result["paths"][key]) > 0, key
+    quality = json.load(open(os.path.join(tmp, "out", "quality.json")))
+    assert set(quality) == {"1 step", "2 steps", "real test"}
+    assert quality["real test"]["acc"] > 0.9  # the classifier itself works
+    assert "val/mse" in result["metrics"] and result["steps"] > 0
