@@ -82,11 +82,17 @@ def loss_curves(history: List[Dict[str, float]], path: str) -> str:
     epochs = [h["epoch"] + 1 for h in history]
     for ax, keys in ((ax1, ("train/loss_epoch", "val/loss")), (ax2, ("train/mse", "val/mse"))):
         for k in keys:
-            if any(k in h for h in history):
-                ax.plot(epochs, [h.get(k, math.nan) for h in history], label=k)
+            if not any(k in h for h in history):
+                continue
+            xs, ys = epochs, [h.get(k, math.nan) for h in history]
+            if k.startswith("val/"):  # validation runs every n epochs; the rows between repeat its last value
+                keep = [i for i, y in enumerate(ys) if i == 0 or y != ys[i - 1]]
+                xs, ys = [xs[i] for i in keep], [ys[i] for i in keep]
+            ax.plot(xs, ys, "o-" if k.startswith("val/") else "-", ms=3, label=k)
         ax.set_xlabel("epoch")
         ax.legend(fontsize=8)
-    ax1.set_title("adaptive-weighted loss", fontsize=9)
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain") if ax is ax1 else None
+    ax1.set_title("adaptive-weighted loss (p = 1: ||Δ||²/(||Δ||² + c), near 1 by construction)", fontsize=8)
     ax2.set_title("mean ||u - sg(u_tgt)||²", fontsize=9)
     ax2.set_yscale("log")
     fig.tight_layout()
