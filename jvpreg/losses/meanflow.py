@@ -117,10 +117,10 @@ class MeanFlowLoss(nn.Module):
         null_label: the null label's index; ``None``: the model's ``null_label`` attribute.
         shared_forward: ``u`` from the clone forward's primal rows (one forward of ``2B`` rows with gradients)
             instead of a second, plain forward after a no-grad clone JVP (see the module docstring).
-        method: ``"clone"`` (jvpreg), or the references as public code writes them, for comparison:
-            ``"torch.func"`` (``torch.func.jvp`` under the math attention backend) or ``"autograd"``
-            (``torch.autograd.functional.jvp``, double backward) under the math attention backend (the fused
-            kernels have neither formula), ``torch.func.jvp`` under ``torch.no_grad``, then a forward with gradients.
+        method: ``"clone"`` (jvpreg), or a reference as public code writes it, for comparisons: ``"torch.func"``
+            (``torch.func.jvp`` under ``torch.no_grad``) or ``"autograd"`` (``torch.autograd.functional.jvp``,
+            double backward), each under the math attention backend (the fused kernels have neither formula),
+            then a forward with gradients.
         engine, scale: of the clone forward (see :func:`jvpreg.jvp`).
         seed: seed of a private generator for times, noise and dropped labels (``None``: global RNG).
 
