@@ -272,3 +272,17 @@ def test_digits_meanflow_experiment_runs(tmp_path, monkeypatch):
     assert set(quality) == {"1 step", "2 steps", "real test"}
     assert quality["real test"]["acc"] > 0.9  # the classifier itself works
     assert "val/mse" in result["metrics"] and result["steps"] > 0
+
+
+def test_docs_snippet_runs():
+    """docs/meanflow.md's call, as users write it, runs on a one-batch loader."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "meanflow.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    g = torch.Generator().manual_seed(0)
+    scope = {"loader": [(torch.rand(8, 1, 8, 8, generator=g) * 2 - 1, torch.arange(8))]}
+    exec(compile(code, "docs/meanflow.md", "exec"), scope)
+    assert scope["x1"].shape == scope["x2"].shape == (16, 1, 8, 8)
+    assert torch.isfinite(scope["out"].loss) and all(p.grad is not None for p in scope["net"].parameters())
