@@ -31,7 +31,8 @@ def sample_grid(samples: Mapping[str, torch.Tensor], labels: torch.Tensor, path:
         rows = []
         for c in range(10):
             imgs = x[lab == c][:per_class, 0]
-            imgs = torch.cat([imgs, torch.zeros(per_class - len(imgs), *imgs.shape[1:])]) if len(imgs) < per_class else imgs
+            if len(imgs) < per_class:
+                imgs = torch.cat([imgs, torch.zeros(per_class - len(imgs), *imgs.shape[1:])])
             rows.append(torch.cat([torch.nn.functional.pad(i, (1, 1, 1, 1), value=0.5) for i in imgs], dim=1))
         ax.imshow(torch.cat(rows, dim=0).numpy(), cmap="gray_r", vmin=0, vmax=1, interpolation="nearest")
         ax.set_title(name, fontsize=9)

@@ -21,7 +21,7 @@ __all__ = ["train_generative"]
 
 
 def train_generative(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """Train ``cfg.model`` with ``cfg.generative.loss`` on ``cfg.data``; evaluate samples; returns ``(result, objects)``."""
+    """Train ``cfg.model`` with ``cfg.generative.loss`` on ``cfg.data`` and score its samples: ``(result, objects)``."""
     import pytorch_lightning as pl
     import torch
     from hydra.utils import instantiate

@@ -171,7 +171,8 @@ class MeanFlowLoss(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"objective={self.objective!r}, time_order={self.time_order!r}, method={self.method!r}, "
-                f"shared_forward={self.shared_forward}, adaptive_p={self.adaptive_p}, label_dropout={self.label_dropout}")
+                f"shared_forward={self.shared_forward}, adaptive_p={self.adaptive_p}, "
+                f"label_dropout={self.label_dropout}")
 
     def generator(self, device: torch.device) -> Optional[torch.Generator]:
         """The private generator on ``device`` (``None`` without a seed)."""

@@ -7,11 +7,11 @@ unpatchify. Attention runs through ``F.scaled_dot_product_attention`` (fused ker
 backend allows). Every reshape uses positional shapes.
 
 Implementation choices: the two time inputs are embedded as ``t`` and ``t - r`` (the interval length;
-MeanFlow's best-performing choice), each by sinusoidal features of the time (unscaled: see :class:`TimeEmbedding`) and a 2-layer
-SiLU MLP; the class embedding has ``num_classes + 1`` rows, the last one the "null" label that
-classifier-free-guidance training puts in place of dropped labels (:attr:`DiT.null_label`). As in
-DiT, the modulation and output layers start at zero (``zero_init=False`` leaves PyTorch's init,
-which tests use so that every parameter gets a gradient).
+MeanFlow's default), each by sinusoidal features of the time (unscaled: see
+:class:`TimeEmbedding`) and a 2-layer SiLU MLP; the class embedding has ``num_classes + 1`` rows, the last one
+the "null" label that classifier-free-guidance training puts in place of dropped labels
+(:attr:`DiT.null_label`). As in DiT, the modulation and output layers start at zero (``zero_init=False``
+leaves PyTorch's init, which tests use so that every parameter gets a gradient).
 """
 from __future__ import annotations
 
