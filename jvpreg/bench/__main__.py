@@ -1,4 +1,4 @@
-"""``python -m jvpreg.bench <name> [options]``: run one benchmark (jvp, train, paper, spectral)."""
+"""``python -m jvpreg.bench <name> [options]``: run one benchmark (jvp, train, paper, spectral, meanflow, ...)."""
 from __future__ import annotations
 
 import importlib
@@ -10,6 +10,7 @@ BENCHMARKS = {
     "train": ("jvpreg.bench.train", "regularized training step vs plain step and double backprop"),
     "paper": ("jvpreg.bench.paper", "the paper's timing tables over 13 architectures"),
     "spectral": ("jvpreg.bench.spectral", "top-k singular values: clone JVPs vs torch.func"),
+    "meanflow": ("jvpreg.bench.meanflow", "mean-flow training step: clone JVP vs torch.func / autograd references"),
     "operators": ("jvpreg.bench.operators", "per-operator slow-down of clone mode (the paper's speed-up figure)"),
 }
 
