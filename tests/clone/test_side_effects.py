@@ -13,7 +13,7 @@ import jvpreg
 from jvpreg.clone import JVPCaptureWarning, capture
 from jvpreg.clone.side_effects import Attributes
 from jvpreg.clone.tensor import raw
-from conftest import assert_as_plain
+from conftest import assert_as_plain, count_captures
 
 D = torch.float64
 
@@ -410,12 +410,15 @@ def test_a_changed_attribute_that_the_forward_reads_recaptures(change):
     else:
         model[1].p = 0.0  # no dropout: the output is deterministic
     state = torch.get_rng_state()
-    y, t, said = _calls(model, x, u, "captured")
+    with count_captures() as n:
+        y, t, said = _calls(model, x, u, "captured")
     torch.set_rng_state(state)
     y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
     assert said == []
     torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    assert n.recorded == 1, f"the changed {change} was not recaptured: {n}"  # recaptured for the new value, and run
+    n.ran_programs(1)
     assert all(p.gm is not None for p in capture.programs(model).values())
 
 
