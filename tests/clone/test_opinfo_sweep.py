@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Tuple
 import pytest
 import torch
 
-pytest.importorskip("expecttest")  # torch.testing._internal needs it
+import expecttest  # noqa: E402,F401  (torch.testing._internal needs it: a dev dependency)
 
 from conftest import sinh_rule_with_a_detached_slope  # noqa: E402
 from jvpreg.clone import register_handler, sweep  # noqa: E402

@@ -339,7 +339,7 @@ def test_an_object_holding_tensors_returned_by_the_forward_holds_the_plain_forwa
 
 
 def test_hugging_face_cache_returned_by_gpt2_holds_the_plain_forwards_keys():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from jvpreg.callbacks.shared import SharedForward
     from jvpreg.losses import JacobianFrobenius
 
@@ -567,7 +567,7 @@ def test_hugging_face_config_changed_after_a_capture_recaptures():
     """``config.output_hidden_states`` steers a Hugging Face forward; before, a replay returned the old outputs (the
     last layer's, 0.03 off). Now the call recaptures, and as Hugging Face then records the hidden states by forward
     hooks, it runs eagerly."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=32, max_position_embeddings=16)
@@ -758,14 +758,14 @@ def test_values_that_an_objects_getattr_computes_are_re_checked(kind):
     1.98, silently)."""
     from pytorch_lightning.utilities.parsing import AttributeDict
 
-    omegaconf = pytest.importorskip("omegaconf") if kind == "omegaconf" else None
+    import omegaconf
 
     class Scaled(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(6, 8)
             self.hparams = AttributeDict(temperature=1.0)
-            self.cfg = omegaconf.OmegaConf.create({"head": {"scale": 1.0}}) if omegaconf else None
+            self.cfg = omegaconf.OmegaConf.create({"head": {"scale": 1.0}}) if kind == "omegaconf" else None
 
         def forward(self, x):
             h = self.lin(x) * self.hparams.temperature * getattr(self.hparams, "extra", 1.0)
