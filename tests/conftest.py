@@ -6,6 +6,9 @@ with ``==``. Import it as ``from conftest import assert_tree_close`` (pytest put
 ``assert_as_plain(got, want)``: a clone forward's primal output or stored state against a plain forward's, up to the
 last bits the BLAS's row count moves (its docstring).
 ``reference_jvp(f, x, u)``: torch.func.jvp, or the reverse-mode Jacobian where forward AD is missing.
+``count_captures()`` (a context manager) and the ``capture_counts`` fixture: how many programs the captured and
+compiled engines recorded, refused and replayed (``CaptureCounts``), to prove that a program ran, not only that the
+result was right (eager clone mode gives the same numbers).
 
 Slow tests (``@pytest.mark.slow``: the OpInfo sweep, DDP/FSDP workers, float32 whole-model checks,
 Hydra runs in subprocesses) are deselected unless ``--slow`` is given (or an explicit ``-m``):
@@ -13,7 +16,9 @@ Hydra runs in subprocesses) are deselected unless ``--slow`` is given (or an exp
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -64,6 +69,69 @@ def reference_jvp(f, x: torch.Tensor, u: torch.Tensor):
     y = f(x)
     jac = torch.autograd.functional.jacobian(f, x)
     return y, (jac.reshape(y.numel(), x.numel()) @ u.reshape(-1)).reshape(y.shape)
+
+
+@dataclass
+class CaptureCounts:
+    """What :mod:`jvpreg.clone.capture` did inside :func:`count_captures`: ``recorded`` programs (a capture that
+    gave a program), ``refused`` captures (a capture attempt that gave a program-less record: eager clone mode, with
+    its reason), ``replays`` (calls that ran a recorded program, compiled or not) and ``eager`` (calls of the
+    captured/compiled/auto engines that ran in eager clone mode for a reason: a refused capture, a hook, too many
+    signatures; not the ``"auto"`` engine's first eager calls of a signature, nor ``engine="eager"``).
+
+    A test that claims a program was recorded asserts ``recorded`` (e.g. ``== 1``), one that claims a replay asserts
+    ``replays``: ``all(p.gm is not None for p in capture.programs(m).values())`` holds for an empty dict, i.e.
+    when everything ran eagerly."""
+
+    recorded: int = 0
+    refused: int = 0
+    replays: int = 0
+    eager: int = 0
+
+    def ran_programs(self, calls: int) -> None:
+        """Every one of ``calls`` calls replayed a recorded program (and none ran eagerly)."""
+        assert self.replays == calls and self.eager == 0, f"expected {calls} replays and no eager run, got {self}"
+
+
+@contextlib.contextmanager
+def count_captures():
+    """Count, in a :class:`CaptureCounts`, the captures, replays and eager runs of the captured engine inside the
+    ``with``. Counts ``capture._capture`` (every recording), ``capture._rebuild`` (every replay) and
+    ``capture._run_eager`` by wrapping them in the module (``capture._call`` looks them up there on each call)."""
+    from jvpreg.clone import capture
+
+    counts = CaptureCounts()
+    record, rebuild, run_eager = capture._capture, capture._rebuild, capture._run_eager
+
+    def counted_record(*args, **kwargs):
+        prog = record(*args, **kwargs)
+        if prog.gm is None:
+            counts.refused += 1
+        else:
+            counts.recorded += 1
+        return prog
+
+    def counted_rebuild(*args, **kwargs):
+        counts.replays += 1
+        return rebuild(*args, **kwargs)
+
+    def counted_eager(*args, **kwargs):
+        counts.eager += 1
+        return run_eager(*args, **kwargs)
+
+    capture._capture, capture._rebuild, capture._run_eager = counted_record, counted_rebuild, counted_eager
+    try:
+        yield counts
+    finally:
+        capture._capture, capture._rebuild, capture._run_eager = record, rebuild, run_eager
+
+
+@pytest.fixture
+def capture_counts():
+    """:func:`count_captures` around the whole test: ``assert capture_counts.replays > 0`` where the engine is
+    ``"captured"``/``"auto"``/``"compiled"`` proves that a program ran."""
+    with count_captures() as counts:
+        yield counts
 
 
 def sinh_rule_with_a_detached_slope(func, args, kwargs):

@@ -90,7 +90,6 @@ def test_model_configs_name_registered_architectures(name):
 
 @pytest.mark.parametrize("name", list(EXTERNAL_MODELS))
 def test_external_model_configs_build_from_the_data(name):
-    pytest.importorskip("timm" if name == "timm" else "transformers")
     extra = ["data.resize=32", "+model.depths=[1,1,1,1]", "+model.dims=[8,16,32,64]"] if name == "timm" else []
     cfg = make_cfg([f"model={name}", *extra])
     assert cfg.model._target_ == f"jvpreg.models.{EXTERNAL_MODELS[name]}"
