@@ -630,6 +630,11 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         raise CaptureError("its forward draws random numbers from a torch.Generator that is not an attribute of "
                            "the model (one made inside the forward, or held elsewhere), which a captured program "
                            "cannot replay as the forward draws from it")
+    strided = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target in _STRIDED})
+    if strided:
+        raise CaptureError(f"its clone forward places data by storage offset ({', '.join(strided)}), whose gradient "
+                           "through a replayed program differs from the forward's (found with as_strided_scatter on a "
+                           "view)")
     draws = any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
     _check_constants(gm, out_meta["traced_storages"])
     reads = out_meta["reads"]
@@ -664,6 +669,10 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                     reads=attribute_reads.checks(rec.root()) + module_globals.checks(),
                     guard=guard,
                     replay=replay)
+
+
+#: ops that address memory by storage offset: refused in a program (:func:`_trace`)
+_STRIDED = frozenset(getattr(torch.ops.aten, name).default for name in ("as_strided", "as_strided_", "as_strided_scatter"))
 
 
 def _holds_tensor(value: Any, depth: int) -> bool:

@@ -130,7 +130,6 @@ class Overload:
 
 _OVERLOADS: Dict[Any, tuple] = {}
 _PLANS: Dict[Any, Any] = {}
-_OVERRIDES: list = []
 
 
 def _from_signature(fn: Any) -> Overload | None:
@@ -165,8 +164,8 @@ def _from_schemas(name: str) -> list:
 def overloads(func: Any) -> tuple:
     """The signatures ``func`` can be called with, as :class:`Overload` s: a Python function's own signature;
     for torch's C functions and Tensor methods the ATen schemas of the same name (the names and defaults
-    torch's argument parser binds keywords by), then the documented signature of
-    ``torch.overrides.get_testing_overrides``."""
+    torch's argument parser binds keywords by). Not ``torch.overrides.get_testing_overrides``: its lambdas make
+    keyword-only parameters positional (``nonzero(input, as_tuple)``) and misname others (``permute(dim)``)."""
     try:
         return _OVERLOADS[func]
     except KeyError:
@@ -181,12 +180,6 @@ def overloads(func: Any) -> tuple:
         name = getattr(func, "__name__", "")
         if name and not name.startswith("__"):
             found = _from_schemas(name)
-        if not _OVERRIDES:
-            _OVERRIDES.append(torch.overrides.get_testing_overrides())
-        documented = _OVERRIDES[0].get(func)
-        sig = _from_signature(documented) if documented is not None else None
-        if sig is not None:
-            found.append(sig)
     _OVERLOADS[func] = tuple(found)
     return _OVERLOADS[func]
 
