@@ -19,6 +19,8 @@ from jvpreg.clone.tensor import raw
 from jvpreg.losses import JacobianFrobenius, JVPPenalty, Stack, regularized_forward
 from jvpreg.losses import row_subset as rs
 
+from test_losses import ref_jvps, ref_name, reference_model
+
 F64 = torch.float64
 logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -272,3 +274,33 @@ def test_hydra_config_sets_the_row_subset():
     assert cb.row_subset == 16 and isinstance(cb.row_subset, int)
     (cb,) = build_callbacks(make_cfg(["regularizer=tangent_prop", "callbacks=none"]))
     assert cb.row_subset is None
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("row_subset", [None, 0.5])
+def test_a_plain_forward_earlier_in_the_step_keeps_its_backward(engine, row_subset):
+    """Train-mode BatchNorm writes its running statistics as the native kernel does (no version bump), so a forward
+    that saved them (the other rows' plain call, or any earlier call) still backpropagates; gradients against a
+    float64 reference of the two calls."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3))
+    model = model.to(F64)
+    x1, x2 = torch.randn(4, 3, 6, 6, dtype=F64), torch.randn(6, 3, 6, 6, dtype=F64)
+    for _ in range(3):
+        ref = reference_model(model)  # BatchNorm written out (forward AD through the native kernel is not valid)
+        model.zero_grad()
+        pen = FixedDirections()
+        first = model(x1)  # saves the running statistics for its backward; the clone forward then writes them
+        out, value = regularized_forward(model, x2, pen, row_subset=row_subset, engine=engine)
+        (first.sum() + out.sum() + value).backward()
+        xs = pen.seen[-1][0]
+        if row_subset is None:
+            ref_out = ref(x2)
+        else:  # the other rows and the subset in two calls, as the row subset runs them
+            rest = torch.stack([r for r in x2 if not any(torch.equal(r, s) for s in xs)])
+            ref_out = torch.cat([ref(rest), ref(xs)])
+        _, (t,) = ref_jvps(ref, xs, torch.cos(3 * xs)[None])
+        (ref(x1).sum() + ref_out.sum() + t.pow(2).flatten(1).sum(-1).mean()).backward()
+        want = {ref_name(n): p.grad for n, p in ref.named_parameters()}
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-9, atol=1e-10, msg=lambda m: f"{n}: {m}")

@@ -156,11 +156,14 @@ def _blocks_in_one_output(x, weight, bias) -> bool:
 
 
 def _batch_norm_blocks(x, w0, b0, running_mean, running_var, momentum, eps):
-    """The operator, then its running statistics copied into the module's buffers."""
+    """The operator, then its running statistics copied into the module's buffers.
+
+    Written as the native kernel writes them: without bumping the buffers' version counters (``.data``), so a
+    forward of the same module earlier in the step, which saved the buffers for its backward, stays valid."""
     out, *_, new_mean, new_var = kernels.batch_norm_blocks(raw(x), w0, b0, running_mean, running_var, momentum, eps)
     for buffer, new in ((running_mean, new_mean), (running_var, new_var)):
         if buffer is not None:  # (no graph: neither requires grad)
-            buffer.copy_(new)
+            buffer.data.copy_(new)
     return out
 
 
