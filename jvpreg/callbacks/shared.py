@@ -83,8 +83,8 @@ class SharedForward:
             op-by-op clone mode. ``torch.compile``-d submodules (and modules compiled in place by
             ``module.compile()``) run their original code in the clone.
 
-    With ``arm(..., row_subset=...)`` the armed call runs the module twice (:mod:`jvpreg.losses.row_subset`): plainly
-    on the rows outside the subset, then as the clone forward of the subset; the caller receives one output.
+    With ``arm(..., row_subset=...)`` the armed call runs the module twice (:mod:`jvpreg.losses.row_subset`): as the
+    clone forward of the subset, then plainly on the other rows; the caller receives one output.
 
     Example::
 
@@ -111,7 +111,7 @@ class SharedForward:
         self._tan: Any = None  # that call's tangent output
         self._cm = None
         self._row_subset = None
-        self._rows: Optional[Tuple[torch.Tensor, torch.Tensor, Any]] = None  # (subset S, others R, their output)
+        self._rows: Optional[Tuple[torch.Tensor, torch.Tensor, Any]] = None  # (subset S, others R, their arguments)
         self._depth = 0
         self._busy = False
         self.fired = False
@@ -253,11 +253,10 @@ class SharedForward:
             self._reject(x, args, kwargs)
         targets, split = self._targets, False
         rows = subset_rows(self._terms, x, self._row_subset)
-        if rows is not None:  # the other rows plainly now, the subset as the clone forward's own primal
+        if rows is not None:  # the subset as the clone forward's own primal, the other rows plainly after it
             s, r = rows
             batch = int(x.shape[0])
-            a, k = _row_subset.split((args, kwargs), batch, r)
-            self._rows = (s, r, self._bypass(a, k) if r.numel() else None)
+            self._rows = (s, r, _row_subset.split((args, kwargs), batch, r))
             args, kwargs, targets = _row_subset.split((args, kwargs, targets), batch, s)
             x, put = self._locate(args, kwargs)
             split = True
@@ -316,6 +315,6 @@ class SharedForward:
             out, values = plan.finish(output)
         self.plan, self.values = plan, values
         if self._rows is not None:
-            (s, r, out_r), self._rows = self._rows, None
-            out = _row_subset.merge(out, out_r, s, r)
+            (s, r, (a, k)), self._rows = self._rows, None
+            out = _row_subset.merge(out, self._bypass(a, k) if r.numel() else None, s, r)
         return out

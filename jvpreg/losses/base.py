@@ -638,13 +638,13 @@ def _run(model, x, terms, target, args, kwargs, engine="auto", row_subset=None):
     engine = _capture.resolve_engine(engine, model, "regularized_forward(model, x, penalties)")
     plain, model = model, _capture.unwrap_compiled(model)
     rows = subset_rows(terms, x, row_subset)
-    if rows is not None:  # the other rows plainly, the subset as the clone forward's own primal
+    if rows is not None:  # the subset as the clone forward's own primal, then the other rows plainly
         s, r = rows
         batch = x.shape[0]
         x_r, args_r, kwargs_r = _row_subset.split((x, args, kwargs), batch, r)
-        out_r = plain(x_r, *args_r, **kwargs_r) if r.numel() else None
         x, args, kwargs, target = _row_subset.split((x, args, kwargs, target), batch, s)
         out, total, parts = _run(plain, x, terms, target, args, kwargs, engine)
+        out_r = plain(x_r, *args_r, **kwargs_r) if r.numel() else None
         return _row_subset.merge(out, out_r, s, r), total, parts
     packs = engine != "eager" and isinstance(model, nn.Module) and _api.packable((x, *args), kwargs)
     plan = prepare(model, x, terms, target=target, forward=lambda z: model(z, *args, **kwargs), pack=not packs)

@@ -1,8 +1,8 @@
 """Row subset: carry tangents on ``b`` random rows of a batch of ``B``, so a step costs ``B + b`` rows, not ``2B``.
 
 Clone mode stacks blocks of one shape, so a tangent block cannot have fewer rows than the primal block.
-The subset therefore runs as its own primal: the model is called twice, once plainly on the ``B - b``
-other rows and once as the clone forward ``[x_S; x_S + s u]`` of the ``b`` subset rows, and the two
+The subset therefore runs as its own primal: the model is called twice, first as the clone forward
+``[x_S; x_S + s u]`` of the ``b`` subset rows, then plainly on the ``B - b`` other rows, and the two
 outputs are put back in the batch's order (one output, as a plain forward returns it).
 
 Unbiasedness: ``S`` is uniform among the ``b``-subsets and every penalty is a mean over the rows it
