@@ -112,22 +112,22 @@ def digits_setting(quick: bool) -> dict:
             "jacobian": {"method": "exact"}, "noise": 0.3, "pgd": 0.1}
 
 
-def resnet_setting(quick: bool) -> dict:
+def resnet_setting(quick: bool, size: int = 16, batch: int = 32) -> dict:
     import torchvision
 
     g = torch.Generator().manual_seed(0)
-    templates = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=16, mode="bilinear", align_corners=False)
+    templates = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=size, mode="bilinear", align_corners=False)
 
     def sample(n):
         y = torch.randint(0, 10, (n,), generator=g)
-        x = (0.5 + 0.2 * templates[y] + 0.25 * torch.randn(n, 3, 16, 16, generator=g)).clamp(0, 1)
+        x = (0.5 + 0.2 * templates[y] + 0.25 * torch.randn(n, 3, size, size, generator=g)).clamp(0, 1)
         return x, y
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
-    return {"name": "ResNet-18 (train-mode BatchNorm), synthetic 10-class 3x16x16", "key": "resnet18",
-            "model": model, "train": sample(128 if quick else 768), "test": sample(64 if quick else 256),
-            "batch": 32, "epochs": 1 if quick else 3, "lam": 0.01, "lr": 0.02,
+    return {"name": f"ResNet-18 (train-mode BatchNorm), synthetic 10-class 3x{size}x{size}", "key": "resnet18",
+            "model": model, "train": sample(4 * batch if quick else 24 * batch), "test": sample(64 if quick else 256),
+            "batch": batch, "epochs": 1 if quick else 3, "lam": 0.01, "lr": 0.02,
             "jacobian": {"method": "hutchinson", "n_projections": 8, "max_samples": 128}, "noise": 0.2, "pgd": 0.03}
 
 
@@ -303,6 +303,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--draws", type=int, default=20, help="penalty-gradient draws for the variance")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="a few steps only (smoke test)")
+    parser.add_argument("--resnet-size", type=int, default=16, help="side of the ResNet-18 setting's images")
+    parser.add_argument("--resnet-batch", type=int, default=32, help="batch of the ResNet-18 setting")
     parser.add_argument("--note", action="append", default=[])
     parser.add_argument("--out", default=DEFAULT_OUT, help="output path without extension ('' to skip writing)")
     args = parser.parse_args(argv)
@@ -310,7 +312,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad:
         parser.error(f"unknown method(s) {bad}; expected a subset of {list(METHODS)}")
-    makers = {"digits": digits_setting, "resnet18": resnet_setting}
+    makers = {"digits": digits_setting,
+              "resnet18": lambda quick: resnet_setting(quick, args.resnet_size, args.resnet_batch)}
     keys = [k for k in args.settings.split(",") if k]
     if any(k not in makers for k in keys):
         parser.error(f"--settings: expected a subset of {list(makers)}, got {keys}")
