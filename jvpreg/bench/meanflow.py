@@ -16,6 +16,8 @@ machine hit every method alike.
 """
 from __future__ import annotations
 
+import contextlib
+
 import argparse
 import statistics
 import sys
@@ -58,16 +60,29 @@ def step_fns(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Dict[str
         opt.step()
         return loss
 
-    def make(fn: MeanFlowLoss):
+    def make(fn: MeanFlowLoss, math_attention: bool):
         def run():
             opt.zero_grad(set_to_none=True)
-            out = fn(net, x, y)
-            out.loss.backward()
+            with _attention(math_attention):
+                out = fn(net, x, y)
+                out.loss.backward()
             opt.step()
             return out.loss
         return run
 
-    return {"plain_fm": plain, **{m: make(_loss(m)) for m in METHODS if m != "plain_fm"}}
+    # the references as public code runs them: fused attention off on an accelerator (neither has its JVP)
+    refs = x.device.type != "cpu"
+    return {"plain_fm": plain, **{m: make(_loss(m), refs and m in ("torch.func", "autograd"))
+                                  for m in METHODS if m != "plain_fm"}}
+
+
+def _attention(math: bool):
+    """SDPA's math kernel (``math``), else torch's choice (fused kernels where they run)."""
+    if not math:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 def check(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Dict[str, float]:
@@ -79,8 +94,13 @@ def check(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Dict[str, f
     t = torch.rand(b, generator=g).to(x)
     r = t * torch.rand(b, generator=g).to(x)
     ref = _loss("jvpreg").velocity_and_derivative(net, z, v, r, t, {"y": y})[1]
-    return {m: float((_loss(m).velocity_and_derivative(net, z, v, r, t, {"y": y})[1] - ref).norm() / ref.norm())
-            for m in METHODS if m not in ("plain_fm", "jvpreg")}
+    out = {}
+    for m in METHODS:
+        if m not in ("plain_fm", "jvpreg"):
+            with _attention(x.device.type != "cpu" and m in ("torch.func", "autograd")):
+                got = _loss(m).velocity_and_derivative(net, z, v, r, t, {"y": y})[1]
+            out[m] = float((got - ref).norm() / ref.norm())
+    return out
 
 
 def run(sizes, batch_size: int, repeats: int, warmup: int, device: str, clock: str = "wall") -> dict:
