@@ -1,7 +1,7 @@
 """JVP penalties as ``nn.Module``s, usable without Lightning: ``out, penalty = reg(model, x)``.
 
 Every penalty runs ONE clone forward of ``model`` on the concatenated batch ``[x; x + s u_1; ...]``
-(DESIGN.md, "Shared forward in training"): ``out`` is exactly the plain forward's ``f(x)`` for the
+(docs/design.md, "Shared forward in training"): ``out`` is exactly the plain forward's ``f(x)`` for the
 task loss, and the penalty is differentiable with exact gradients. :class:`Stack` runs several
 penalties in the same forward; :func:`regularized_forward` is the functional form. :class:`MeanFlowLoss`
 is a training objective (mean flows, consistency) whose target is a JVP, from the same kind of forward.

@@ -13,7 +13,7 @@ vice versa), swaps the perturbed parameters for clones ``[W; W + s U_1; ...]``, 
 slices the JVPs back per penalty. The primal block of the output is the exact plain forward ``f(x)``
 (train-mode BatchNorm statistics and running averages from the primal rows only; one dropout mask
 for every block), so one forward and one backward give the task loss and every penalty with exact
-gradients (DESIGN.md, "Shared forward in training"). The Lightning callbacks run the same
+gradients (docs/design.md, "Shared forward in training"). The Lightning callbacks run the same
 :func:`prepare`/:meth:`Plan.finish` from forward hooks; :func:`regularized_forward` runs them around
 an explicit call.
 
