@@ -102,14 +102,17 @@ class CaptureCounts:
 
     def ran_engine(self, engine: str, calls: int, signatures: int = 1) -> None:
         """The engine a test names ran: ``"eager"``: no program and no capture; ``"captured"``: every one of
-        ``calls`` calls replayed a program; ``"auto"``: the first call of each of ``signatures`` signatures ran
-        eagerly and every later call replayed a program (call :func:`jvpreg.clone.capture.reset` first: a program
+        ``calls`` calls replayed a program; ``"auto"``: the first call (:data:`jvpreg.clone.capture.EAGER_CALLS_BEFORE_CAPTURE` calls) of each
+        of ``signatures`` signatures ran eagerly and every later call replayed a program (call :func:`jvpreg.clone.capture.reset` first: a program
         an earlier test recorded for the same code would replay on the first call)."""
         if engine == "eager":
             assert self.recorded == self.refused == self.replays == self.eager == 0 and not self.uncaptured, self
         elif engine == "auto":
-            assert self.replays == calls - signatures and self.eager == 0 and not self.uncaptured, (
-                f"expected {signatures} eager first call(s), then {calls - signatures} replays, got {self}")
+            from jvpreg.clone import capture
+
+            first = signatures * capture.EAGER_CALLS_BEFORE_CAPTURE
+            assert self.replays == calls - first and self.eager == 0 and not self.uncaptured, (
+                f"expected {first} eager first call(s), then {calls - first} replays, got {self}")
         else:
             assert not self.uncaptured, f"the callable was not taken apart: {self.uncaptured}"
             self.ran_programs(calls)
