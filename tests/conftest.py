@@ -82,7 +82,7 @@ class CaptureCounts:
     ``reasons``; ``raised``: captures that raised (the forward's own error, e.g. torch's ``ValueError``, raised while
     it was recorded); ``uncaptured``: why :func:`jvpreg.jvp` could not take a callable apart
     (:func:`jvpreg.clone.callables.take_apart`: the call then runs in eager clone mode with a ``JVPCaptureWarning``,
-    which is said once per process, so a test asserts this list rather than the warning).
+    said once per process: :func:`runs_engine` asserts it).
 
     A test that claims a program was recorded asserts ``recorded`` (e.g. ``== 1``), one that claims a replay asserts
     ``replays``: ``all(p.gm is not None for p in capture.programs(m).values())`` holds for an empty dict, i.e.
@@ -102,9 +102,9 @@ class CaptureCounts:
 
     def ran_engine(self, engine: str, calls: int, signatures: int = 1) -> None:
         """The engine a test names ran: ``"eager"``: no program and no capture; ``"captured"``: every one of
-        ``calls`` calls replayed a program; ``"auto"``: the first call (:data:`jvpreg.clone.capture.EAGER_CALLS_BEFORE_CAPTURE` calls) of each
-        of ``signatures`` signatures ran eagerly and every later call replayed a program (call :func:`jvpreg.clone.capture.reset` first: a program
-        an earlier test recorded for the same code would replay on the first call)."""
+        ``calls`` calls replayed a program; ``"auto"``: the first calls of each of ``signatures`` signatures
+        (``capture.EAGER_CALLS_BEFORE_CAPTURE``: one) ran eagerly and every later call replayed a program (call
+        ``capture.reset()`` first: a program an earlier test recorded for the same code replays on a first call)."""
         if engine == "eager":
             assert self.recorded == self.refused == self.replays == self.eager == 0 and not self.uncaptured, self
         elif engine == "auto":
@@ -131,9 +131,7 @@ def count_captures():
     """Count, in a :class:`CaptureCounts`, the captures, replays and eager runs of the captured engine inside the
     ``with``. Counts ``capture._capture`` (every recording), ``capture._rebuild`` (every replay) and
     ``capture._run_eager`` by wrapping them in the module (``capture._call`` looks them up there on each call)."""
-    from jvpreg.clone import capture
-
-    from jvpreg.clone import callables
+    from jvpreg.clone import callables, capture
 
     counts = CaptureCounts()
     record, rebuild, run_eager = capture._capture, capture._rebuild, capture._run_eager
