@@ -903,3 +903,44 @@ def test_the_capture_counts_see_an_eager_run_as_no_program():
     assert eager == type(eager)()
     with pytest.raises(AssertionError, match="expected 1 replays and no eager run"):
         eager.ran_programs(1)
+
+
+def test_runs_engine_fails_where_a_function_named_captured_runs_eagerly(monkeypatch):
+    """``conftest.runs_engine`` (the tests' proof that the engine they name ran, issue 56): a lambda captured and
+    replayed passes; the same lambda run eagerly, because ``callables.take_apart`` refuses every callable (a
+    mutation of the engine) or because the engine is forced to eager in ``capture._call``, fails it, and passes
+    only as a refusal with the reason it gives, said by a ``JVPCaptureWarning``."""
+    from conftest import runs_engine
+
+    from jvpreg.clone import callables
+
+    monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", DEFAULT_EAGER_CALLS)  # auto: eager, then programs
+    w = randn(4, 4)
+    f = lambda x: torch.tanh(x @ w)  # noqa: E731
+    x, u = randn(3, 4), randn(3, 4)
+
+    def calls(engine, n=2):
+        for _ in range(n):
+            jvpreg.jvp(f, (x,), (u,), engine=engine)
+
+    with runs_engine("captured", calls=2):
+        calls("captured")
+    with runs_engine("auto", calls=3):
+        calls("auto", 3)
+    with runs_engine("eager", calls=2):
+        calls("eager")
+    with monkeypatch.context() as patch:
+        patch.setattr(callables, "take_apart", lambda fn: callables.Parts(reason="a mutation refuses it"))
+        for engine in ("captured", "auto"):
+            with pytest.raises(AssertionError, match="not taken apart|expected"):
+                with runs_engine(engine, calls=2):
+                    calls(engine)
+        with runs_engine("captured", calls=2, refused="a mutation refuses it"):
+            calls("captured")
+    with monkeypatch.context() as patch:
+        real = capture._call
+        patch.setattr(capture, "_call", lambda module, args, kwargs, engine, *rest: real(module, args, kwargs,
+                                                                                         "eager", *rest))
+        with pytest.raises(AssertionError, match="expected 2 replays and no eager run"):
+            with runs_engine("captured", calls=2):
+                calls("captured")
