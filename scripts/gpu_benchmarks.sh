@@ -6,16 +6,16 @@
 #   bash scripts/gpu_benchmarks.sh --dry-run OUTDIR    the same commands on this CPU, tiny sizes, one round: checks the
 #                                                      plumbing before device time is spent on it (limits 5x, for a CPU)
 #
-# Parts, each under its own `timeout` (a hang or an overrun loses that table only), 465 s of limits in all:
+# Parts, each under its own `timeout` (a hang or an overrun loses that table only), 450 s of limits in all:
 #   gpu_tests   60 s  the tests that need a GPU (accelerator path in float64 against forward AD, FlexAttention)
-#   train_fp32  90 s  training step: plain, plain 2B, clone, clone on a quarter of the rows (row_subset=0.25), double
+#   train_fp32  90 s  training step: plain, plain 2B, clone (captured, compiled, CUDA graphs), clone on a quarter of the rows (row_subset=0.25), double
 #                     backprop, with peak memory: ResNet-18 (BatchNorm), the small ViT, the MLP. No DiT: jvpreg.models
 #                     has none (skipped).
 #   train_bf16  75 s  the same under bf16 autocast
 #   jvp_b32     75 s  JVP at batch 32: ResNet-50, ViT-B/16, DenseNet-121 (forward 2B, captured clone, torch.func.jvp)
-#   meanflow    45 s  mean-flow training step on two DiT sizes: jvpreg (fused attention) vs torch.func.jvp and
+#   meanflow    40 s  mean-flow training step on two DiT sizes: jvpreg (fused attention) vs torch.func.jvp and
 #                     torch.autograd.functional.jvp (math attention), bf16 not used
-#   paper      120 s  the paper's 13 architectures, reduced: JVP w.r.t. the input at the small shapes, clone vs forward
+#   paper      110 s  the paper's 13 architectures, reduced: JVP w.r.t. the input at the small shapes, clone vs forward
 #                     2B vs torch.func.jvp, few repeats, a per-cell budget
 # Everything written goes into OUTDIR/gpu_tables.tar.gz (the device returns few files) and the log into
 # OUTDIR/gpu_benchmarks.log. Unpack into experiments/results/gpu/ and commit with the device line of the tool's reply.
@@ -61,8 +61,8 @@ step() {  # step NAME SECONDS COMMAND...: one part under its own time limit; a f
   python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 } | tee "$log"
 
-train_methods=plain,plain_2b,clone,clone_rows25,double_backprop
-step gpu_tests 60 python -m pytest tests/clone/test_accelerator_path.py tests/clone/test_flex_attention.py -q \
+train_methods=plain,plain_2b,clone,clone_compiled,clone_graphed,clone_rows25,double_backprop
+step gpu_tests 60 python -m pytest tests/clone/test_accelerator_path.py tests/clone/test_flex_attention.py tests/clone/test_graphed_engine.py -q \
     -p no:cacheprovider -rs -k "not cpu-accelerator-path"
 step train_fp32 90 python -m jvpreg.bench train --models "$train_models" --methods $train_methods --device $dev \
     --repeats $repeats --out "$res/bench_train_${dev}_fp32"
@@ -70,8 +70,8 @@ step train_bf16 75 python -m jvpreg.bench train --models "$train_models" --metho
     --autocast bf16 --repeats $repeats --out "$res/bench_train_${dev}_bf16"
 step jvp_b32 75 python -m jvpreg.bench capture --suites gpu --methods forward_2B,captured,torch.func.jvp --device $dev \
     --rounds $rounds $jvp_size --no-progress --out "$res/bench_capture_${dev}_b32"
-step meanflow 45 python -m jvpreg.bench meanflow --device $dev --repeats $repeats --warmup 2 \
+step meanflow 40 python -m jvpreg.bench meanflow --device $dev --repeats $repeats --warmup 2 \
     $([ $dry = 1 ] && echo "--sizes dit_s --batch-size 4") --out "$res/bench_meanflow_${dev}"
-step paper 120 python -m jvpreg.bench paper --shapes small --kinds x $paper $paper_models \
+step paper 110 python -m jvpreg.bench paper --shapes small --kinds x $paper $paper_models \
     --methods clone,fwd_2b,func_jvp --device $dev --repeats 3 --warmup 1 --cell-budget 1 --no-plot --quiet \
     --out "$res" --name "paper_${dev}_reduced"

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_benchmarks.sh"
-PARTS = {"gpu_tests": 60, "train_fp32": 90, "train_bf16": 75, "jvp_b32": 75, "paper": 150}
+PARTS = {"gpu_tests": 60, "train_fp32": 90, "train_bf16": 75, "jvp_b32": 75, "meanflow": 40, "paper": 110}
 
 
 def _run(*args: str, **env) -> subprocess.CompletedProcess:

@@ -10,7 +10,8 @@ training step (zero_grad, forward, backward, SGD step) per method and writes Mar
   own code path (:class:`jvpreg.callbacks.SharedForward` armed around the model call: one forward
   of the 2B-row batch, one backward), on the default engine (captured from the second step; the warm-up
   steps take the eager one and the capture); ``clone_eager`` and
-  ``clone_compiled`` force the eager and the compiled engines (:mod:`jvpreg.clone.capture`).
+  ``clone_compiled`` force the eager and the compiled engines (:mod:`jvpreg.clone.capture`); ``clone_graphed`` the
+  compiled program replayed as CUDA graphs (``engine="graphed"``; on the CPU, the compiled one).
 * ``clone_rows50``, ``clone_rows25``: ``clone`` with tangents on a random half / quarter of the rows
   (``row_subset=0.5`` / ``0.25``, :mod:`jvpreg.losses.row_subset`): the other rows run plainly, a step runs
   ``B + b`` rows.
@@ -74,8 +75,8 @@ from .timing import machine_description, measure
 
 LAM = 0.01
 METHODS = ("plain", "plain_2b", "clone", "clone_eager", "clone_rows50", "clone_rows25", "double_backprop", "forward_ad", "func_jvp", "functional_jvp",
-           "plain_compiled", "clone_compiled", "double_backprop_compiled")
-CLONE_ENGINES = {"clone": "auto", "clone_eager": "eager", "clone_compiled": "compiled", "clone_rows50": "auto",
+           "plain_compiled", "clone_compiled", "clone_graphed", "double_backprop_compiled")
+CLONE_ENGINES = {"clone": "auto", "clone_eager": "eager", "clone_compiled": "compiled", "clone_graphed": "graphed", "clone_rows50": "auto",
                  "clone_rows25": "auto"}
 ROW_SUBSETS = {"clone_rows50": 0.5, "clone_rows25": 0.25}
 JVP_METHODS = ("forward_ad", "func_jvp", "functional_jvp", "clone_eager", "clone_compiled")

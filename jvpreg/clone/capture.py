@@ -124,7 +124,7 @@ from .tensor import _ANY_AUTOCAST, CloneTensor
 __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGER_CALLS_BEFORE_CAPTURE", "call", "reset",
            "uncompiled", "resolve_engine", "programs", "inductor_options"]
 
-ENGINES = ("auto", "eager", "captured", "compiled")
+ENGINES = ("auto", "eager", "captured", "compiled", "graphed")
 MAX_PROGRAMS = 16
 #: Programs recorded for one call signature whose Python reads tensor values (one per set of values read,
 #: :mod:`jvpreg.clone.guards`); past this many the signature runs in eager clone mode. ``engine="auto"`` records
@@ -155,6 +155,28 @@ def inductor_options(device_type: str) -> Dict[str, Any]:
     programs of convolution-heavy models at large activations (VGG-16 and DenseNet-121, 16 rows of 64x64: 15-18%
     slower than torch.compile's default). The benchmarks compile their 2B forward alike."""
     return {"layout_optimization": False} if device_type == "cpu" else {}
+
+
+def graphed_options(device_type: str) -> Dict[str, Any]:
+    """``engine="graphed"``: the compiled program replayed as CUDA graphs (Inductor's ``triton.cudagraphs``, what
+    ``mode="reduce-overhead"`` turns on): one launch per replay instead of one per kernel, for small-op models whose
+    step is launch-bound. The program's input shapes are guarded as every program's are (a new shape records and
+    graphs a new program, ``dynamic=False``). Off the GPU there is nothing to graph: the program is compiled as
+    ``engine="compiled"`` compiles it, with one :class:`JVPCaptureWarning`."""
+    if device_type == "cuda":
+        return {"triton.cudagraphs": True}
+    _warn_once(("graphed", device_type), f"jvpreg: engine='graphed' replays CUDA graphs, which need CUDA tensors; "
+                                         f"these are on {device_type}: compiled without graphs (engine='compiled').")
+    return inductor_options("cpu" if device_type == "cpu" else "accelerator")
+
+
+_WARNED_ONCE: set = set()
+
+
+def _warn_once(key: Any, message: str) -> None:
+    if key not in _WARNED_ONCE:
+        _WARNED_ONCE.add(key)
+        warnings.warn(message, JVPCaptureWarning, stacklevel=4)
 
 
 class CaptureError(RuntimeError):
@@ -777,6 +799,10 @@ def _check_constants(gm: torch.fx.GraphModule, traced: Dict[int, set]) -> None:
         value = getattr(gm, node.target, None)
         if not isinstance(value, torch.Tensor):
             continue
+        if torch._C._functorch.is_functorch_wrapped_tensor(value):
+            raise CaptureError(f"the program would hold {node.target} as a constant that a torch.func transform inside "
+                               "the forward wrapped (vmap's batched tensor, as FlexAttention makes under no_grad), "
+                               "which no replay can read")
         aliases = set().union(*(traced.get(ptr, set()) for ptr in _storages([value])))
         if not all(_derived_from(n, node) for n in aliases):
             raise CaptureError(f"the program would hold {node.target} {tuple(value.shape)} as a constant, but it "
@@ -931,8 +957,8 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     else:
         leaves, in_spec = tree_flatten((args, kwargs))
     slot_values = rec.slot_values()
-    compiled = engine == "compiled"  # its own program: rules may pick what Inductor fuses best (tensor.compiling)
-    key = _key(rec, (fn_key, "compiled") if compiled else fn_key, in_spec, leaves, slot_values, finite)
+    compiled = engine in ("compiled", "graphed")  # its own program: rules may pick what Inductor fuses best
+    key = _key(rec, (fn_key, engine) if compiled else fn_key, in_spec, leaves, slot_values, finite)
     prog = rec.programs.get(key)
     if prog is not None and prog.attrs and not all((module.__dict__ if d is None else d).get(n) is v
                                                    for d, n, v in prog.attrs):
@@ -994,14 +1020,17 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
         return _run_eager(module, fn, args, kwargs, prog.reason, engine)
     prog.replays += 1
     run = prog.replay or prog.gm
-    if engine == "compiled":
+    if compiled:
         if prog.compiled is None:
             inputs = _inputs(leaves, slot_values) if inputs is None else inputs
-            device = "cpu" if all(t.device.type == "cpu" for t in inputs) else "accelerator"
-            prog.compiled = torch.compile(prog.gm, dynamic=False, options=inductor_options(device))
+            types_ = {t.device.type for t in inputs}
+            device = "cpu" if types_ <= {"cpu"} else "accelerator"
+            options = graphed_options(next(iter(types_ - {"cpu"}), "cpu")) if engine == "graphed" else \
+                inductor_options(device)
+            prog.compiled = torch.compile(prog.gm, dynamic=False, options=options)
         run = prog.compiled
     # grad mode restored even if the replay raises midway; a compiled program stays compiled inside a clone forward
-    stance = compiled_code.caller_stance() if engine == "compiled" else contextlib.nullcontext()
+    stance = compiled_code.caller_stance() if compiled else contextlib.nullcontext()
     with torch.set_grad_enabled(torch.is_grad_enabled()), stance:
         outs = run(*(_inputs(leaves, slot_values) if inputs is None else inputs))
     return _rebuild(prog, outs)

@@ -182,3 +182,23 @@ def test_a_score_mod_that_means_another_thing_on_broadcast_indices_is_refused(en
         jvpreg.jvp(centred, (Q, K, V), (UQ, UK, UV), engine=engine)
     # captured: the capture raises the error, or is refused (REFUSED) and the eager run raises it; no program runs
     assert n.recorded == n.replays == 0 and n.raised + n.refused + len(n.uncaptured) == (engine != "eager"), n
+
+
+def test_captured_flex_attention_under_no_grad_runs_eagerly_with_its_reason():
+    """Under no_grad FlexAttention leaves a vmap-wrapped constant in the traced program: the capture refuses it with
+    a reason (before: a RuntimeError from inside the capture's passes), and the eager run is exact."""
+    import warnings
+
+    import jvpreg
+    from jvpreg.clone import capture
+    from torch.nn.attention import flex_attention as flex
+
+    q, k, v = (torch.randn(2, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    f = lambda q, k, v: flex.flex_attention(q, k, v)  # noqa: E731
+    capture._WARNED.clear()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        want = jvpreg.jvp(f, (q, k, v), (q, k, v), engine="eager")[1]
+        got = jvpreg.jvp(f, (q, k, v), (q, k, v), engine="captured")[1]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert any("torch.func transform inside the forward wrapped" in str(w.message) for w in seen)
