@@ -14,6 +14,7 @@ Examples::
     jvpreg-train experiment=digits_tangent_prop logger=csv
     jvpreg-train model=timm model.name=convnext_atto data.resize=32      # any timm model (extra: timm)
     jvpreg-train model=hf                                                # Hugging Face ViT from a config (extra: hf)
+    jvpreg-train experiment=digits_meanflow       # a generative model (mean flow), see jvpreg.generative.run
 
 Outputs (``outputs/<task_name>/<date>_<time>/``, or ``multirun/.../<job>/``): ``checkpoints/best.ckpt``,
 ``csv/metrics.csv``, ``wandb/`` (offline run: upload with ``wandb sync``), ``plots/summary.png``,
@@ -511,7 +512,12 @@ def _objective(cfg: DictConfig, result: Dict[str, Any]) -> Optional[float]:
 def _hydra_main(cfg: DictConfig) -> Optional[float]:
     _setdefault_wandb_mode()
     try:
-        result, _ = train(cfg)
+        if cfg.get("generative"):  # a generative objective (experiment=digits_meanflow): jvpreg.generative.run
+            from jvpreg.generative.run import train_generative
+
+            result, _ = train_generative(cfg)
+        else:
+            result, _ = train(cfg)
         return _objective(cfg, result)
     finally:
         _finish_wandb()  # each job of a multirun is its own W&B run

@@ -76,7 +76,8 @@ def main(argv=None) -> int:
         "random functional of output and JVP. A case is `rule` (exact, no fallback), `fallback` (exact through",
         "the per-op fallback somewhere), `error` (a clear `UnsupportedOpError`) or `skip` (the",
         "reference itself fails, or a random op). A mismatch or a crash fails `tests/clone/test_opinfo_sweep.py`",
-        "unless its op is listed there in `XFAIL`, with the reason (known failures, not yet fixed).",
+        "unless the case is listed there in `XFAIL` (op, a predicate naming its failing samples, the reason: known failures,",
+        "not yet fixed).",
         "",
         f"Cases: {totals['rule']} exact with rules, {totals['fallback']} exact via the fallback, "
         f"{totals['error']} clear errors, {totals['skip']} skipped, {totals['mismatch']} silently wrong, "

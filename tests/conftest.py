@@ -6,6 +6,10 @@ with ``==``. Import it as ``from conftest import assert_tree_close`` (pytest put
 ``assert_as_plain(got, want)``: a clone forward's primal output or stored state against a plain forward's, up to the
 last bits the BLAS's row count moves (its docstring).
 ``reference_jvp(f, x, u)``: torch.func.jvp, or the reverse-mode Jacobian where forward AD is missing.
+``count_captures()`` (a context manager) and the ``capture_counts`` fixture: how many programs the captured and
+compiled engines recorded, refused and replayed (``CaptureCounts``), to prove that a program ran, not only that the
+result was right (eager clone mode gives the same numbers). ``runs_engine(engine, calls, refused="")`` (a context
+manager) asserts that the engine a test names ran its calls, or that their capture was refused with that reason.
 
 Slow tests (``@pytest.mark.slow``: the OpInfo sweep, DDP/FSDP workers, float32 whole-model checks,
 Hydra runs in subprocesses) are deselected unless ``--slow`` is given (or an explicit ``-m``):
@@ -13,7 +17,9 @@ Hydra runs in subprocesses) are deselected unless ``--slow`` is given (or an exp
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -64,6 +70,146 @@ def reference_jvp(f, x: torch.Tensor, u: torch.Tensor):
     y = f(x)
     jac = torch.autograd.functional.jacobian(f, x)
     return y, (jac.reshape(y.numel(), x.numel()) @ u.reshape(-1)).reshape(y.shape)
+
+
+@dataclass
+class CaptureCounts:
+    """What :mod:`jvpreg.clone.capture` did inside :func:`count_captures`: ``recorded`` programs (a capture that
+    gave a program), ``refused`` captures (a capture attempt that gave a program-less record: eager clone mode, with
+    its reason), ``replays`` (calls that ran a recorded program, compiled or not) and ``eager`` (calls of the
+    captured/compiled/auto engines that ran in eager clone mode for a reason: a refused capture, a hook, too many
+    signatures; not the ``"auto"`` engine's first eager calls of a signature, nor ``engine="eager"``), with their
+    ``reasons``; ``raised``: captures that raised (the forward's own error, e.g. torch's ``ValueError``, raised while
+    it was recorded); ``uncaptured``: why :func:`jvpreg.jvp` could not take a callable apart
+    (:func:`jvpreg.clone.callables.take_apart`: the call then runs in eager clone mode with a ``JVPCaptureWarning``,
+    said once per process: :func:`runs_engine` asserts it).
+
+    A test that claims a program was recorded asserts ``recorded`` (e.g. ``== 1``), one that claims a replay asserts
+    ``replays``: ``all(p.gm is not None for p in capture.programs(m).values())`` holds for an empty dict, i.e.
+    when everything ran eagerly."""
+
+    recorded: int = 0
+    refused: int = 0
+    replays: int = 0
+    eager: int = 0
+    raised: int = 0
+    reasons: list = field(default_factory=list)
+    uncaptured: list = field(default_factory=list)
+
+    def ran_programs(self, calls: int) -> None:
+        """Every one of ``calls`` calls replayed a recorded program (and none ran eagerly)."""
+        assert self.replays == calls and self.eager == 0, f"expected {calls} replays and no eager run, got {self}"
+
+    def ran_engine(self, engine: str, calls: int, signatures: int = 1) -> None:
+        """The engine a test names ran: ``"eager"``: no program and no capture; ``"captured"``: every one of
+        ``calls`` calls replayed a program; ``"auto"``: the first calls of each of ``signatures`` signatures
+        (``capture.EAGER_CALLS_BEFORE_CAPTURE``: one) ran eagerly and every later call replayed a program (call
+        ``capture.reset()`` first: a program an earlier test recorded for the same code replays on a first call)."""
+        if engine == "eager":
+            assert self.recorded == self.refused == self.replays == self.eager == 0 and not self.uncaptured, self
+        elif engine == "auto":
+            from jvpreg.clone import capture
+
+            first = signatures * capture.EAGER_CALLS_BEFORE_CAPTURE
+            assert self.replays == calls - first and self.eager == 0 and not self.uncaptured, (
+                f"expected {first} eager first call(s), then {calls - first} replays, got {self}")
+        else:
+            assert not self.uncaptured, f"the callable was not taken apart: {self.uncaptured}"
+            self.ran_programs(calls)
+
+    def refused_with(self, reason: str, calls: int) -> None:
+        """Every one of ``calls`` calls ran in eager clone mode because its capture was refused for a reason that
+        contains ``reason`` (a refused capture, or a callable that could not be taken apart), and no program ran."""
+        why = self.reasons + self.uncaptured
+        assert self.replays == 0 and self.recorded == 0, f"a program ran: {self}"
+        assert len(why) == calls, f"expected {calls} refused calls, got {self}"
+        assert all(reason in r for r in why), f"expected the reason {reason!r}, got {why}"
+
+
+@contextlib.contextmanager
+def count_captures():
+    """Count, in a :class:`CaptureCounts`, the captures, replays and eager runs of the captured engine inside the
+    ``with``. Counts ``capture._capture`` (every recording), ``capture._rebuild`` (every replay) and
+    ``capture._run_eager`` by wrapping them in the module (``capture._call`` looks them up there on each call)."""
+    from jvpreg.clone import callables, capture
+
+    counts = CaptureCounts()
+    record, rebuild, run_eager = capture._capture, capture._rebuild, capture._run_eager
+    take_apart = callables.take_apart
+
+    def counted_record(*args, **kwargs):
+        try:
+            prog = record(*args, **kwargs)
+        except BaseException:
+            counts.raised += 1
+            raise
+        if prog.gm is None:
+            counts.refused += 1
+        else:
+            counts.recorded += 1
+        return prog
+
+    def counted_rebuild(*args, **kwargs):
+        counts.replays += 1
+        return rebuild(*args, **kwargs)
+
+    def counted_eager(module, fn, args, kwargs, reason, engine):
+        counts.eager += 1
+        counts.reasons.append(reason)
+        return run_eager(module, fn, args, kwargs, reason, engine)
+
+    def counted_take_apart(fn):
+        parts = take_apart(fn)
+        if parts.reason:
+            counts.uncaptured.append(parts.reason)
+        return parts
+
+    capture._capture, capture._rebuild, capture._run_eager = counted_record, counted_rebuild, counted_eager
+    callables.take_apart = counted_take_apart
+    try:
+        yield counts
+    finally:
+        capture._capture, capture._rebuild, capture._run_eager = record, rebuild, run_eager
+        callables.take_apart = take_apart
+
+
+@contextlib.contextmanager
+def runs_engine(engine: str, calls: int, refused: str = "", signatures: int = 1):
+    """Asserts that the ``calls`` calls inside the ``with`` ran the engine they name (:meth:`CaptureCounts.ran_engine`;
+    ``"auto"``: its programs are forgotten first, so that its first call of a signature runs eagerly) or, with
+    ``refused``, that each ran in eager clone mode because its capture was refused for a reason that contains
+    ``refused``, said by a ``JVPCaptureWarning`` (the record of warnings already said is emptied for the ``with``: a
+    warning is said once per process). Yields the :class:`CaptureCounts`; a body that raises asserts nothing."""
+    import warnings
+
+    from jvpreg.clone import api, capture
+
+    if engine == "auto":
+        capture.reset()
+    if not refused:
+        with count_captures() as counts:
+            yield counts
+        counts.ran_engine(engine, calls, signatures)
+        return
+    said = capture._WARNED, api._WARNED_UNCAPTURED
+    capture._WARNED, api._WARNED_UNCAPTURED = set(), set()
+    try:
+        with warnings.catch_warnings(record=True) as seen, count_captures() as counts:
+            warnings.simplefilter("always")
+            yield counts
+    finally:
+        capture._WARNED, api._WARNED_UNCAPTURED = said
+    counts.refused_with(refused, calls)
+    assert any(issubclass(w.category, capture.JVPCaptureWarning) and refused in str(w.message) for w in seen), (
+        f"no JVPCaptureWarning that says {refused!r}: {[str(w.message)[:200] for w in seen]}")
+
+
+@pytest.fixture
+def capture_counts():
+    """:func:`count_captures` around the whole test: ``assert capture_counts.replays > 0`` where the engine is
+    ``"captured"``/``"auto"``/``"compiled"`` proves that a program ran."""
+    with count_captures() as counts:
+        yield counts
 
 
 def sinh_rule_with_a_detached_slope(func, args, kwargs):

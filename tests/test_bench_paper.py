@@ -233,7 +233,11 @@ def test_capture_benchmark_writes_ratios_and_checks_every_engine(tmp_path):
     assert result["meta"]["burst"] == 2 and "mean of 2 back-to-back calls" in out.with_suffix(".md").read_text()
     assert [r["model"] for r in result["rows"]] and all(r["captured/fwd2B"] > 0 for r in result["rows"])
     assert all(r["rel_diff"]["captured"] == 0.0 for r in result["rows"])  # the replay runs the recorded kernels
-    assert "captured/fwd2B" in result["geomean"] or result["geomean"]
+    ratios = [r["captured/fwd2B"] for r in result["rows"]]
+    assert result["geomean"]["small: captured/fwd2B"] == pytest.approx(
+        math.exp(sum(map(math.log, ratios)) / len(ratios)), rel=1e-12)
+    assert f"small: captured/fwd2B: **{result['geomean']['small: captured/fwd2B']:.2f}**" in \
+        out.with_suffix(".md").read_text()
     assert "| model" in out.with_suffix(".md").read_text()
 
 

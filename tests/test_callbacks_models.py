@@ -27,7 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 
 def tiny_vit(**extra):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16, num_hidden_layers=1,
                                  num_attention_heads=2, intermediate_size=32, num_labels=3, **extra)
     return transformers.ViTForImageClassification(cfg)
@@ -124,7 +124,7 @@ def test_callback_output_key_equals_the_penalty_route_and_leaves_the_penalty_alo
 
 
 def tiny_bert():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(0)
     return transformers.BertModel(transformers.BertConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,

@@ -242,7 +242,7 @@ def test_client_fit_with_jacobian_regularizer(name):
 
 @pytest.mark.slow
 def test_client_fit_warns_when_the_penalty_outweighs_the_task_loss():
-    """The same fit with a weight 1e13x larger (its penalty per output element is 2e-5): the weighted penalty is over 100x the task loss (PenaltyScaleWarning),
-    and the fit still completes."""
+    """The same fit with a weight 1e13x larger (its penalty per output element is 2e-5): the weighted penalty is over
+    100x the task loss (PenaltyScaleWarning), and the fit still completes."""
     got = fit_client("fno", weight=1e10)
     assert got["steps"] == 3 and got["scale_warned"], got

@@ -29,7 +29,6 @@ def test_the_doc_has_the_four_examples():
 
 @pytest.mark.parametrize("code", EXAMPLES)
 def test_example_runs_and_applies_the_regularizer(code, monkeypatch):
-    pytest.importorskip("timm" if "import timm" in code else "transformers")
     monkeypatch.setenv("WANDB_MODE", "disabled")
     code = code.replace("pl.Trainer(", "pl.Trainer(enable_progress_bar=False, enable_model_summary=False, ")
     scope: dict = {}

@@ -34,7 +34,6 @@ def test_exact_hardsigmoid_has_slope_one_sixth_in_float64(zoo):
 @pytest.mark.parametrize("source, name", [("timm", "test_resnet"), ("hf", "llama"),
                                           pytest.param("hf", "mixtral", marks=pytest.mark.slow)])  # MoE routing
 def test_check_one_finds_both_engines_exact(zoo, source, name):
-    pytest.importorskip("timm" if source == "timm" else "transformers")
     row = zoo.check_one(source, name)
     assert row["verdict"] == "exact", row
     assert row["error64_eager"] <= zoo.EXACT and row["error64_captured"] <= zoo.EXACT

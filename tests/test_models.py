@@ -30,7 +30,12 @@ INPUT_SHAPES: dict[str, tuple[int, int, int]] = {
     "mlp": (1, 8, 8),
     "small_cnn": (1, 8, 8),
     "lenet5": (1, 28, 28),
+    "dit": (1, 8, 8),
+    "time_unet": (1, 8, 8),
 }
+
+#: Generative models ``u(z, r, t, y)``: an image of the input's shape out.
+TIME_CONDITIONED = ("dit", "time_unet")
 
 
 def _input_shape(name: str) -> tuple[int, int, int]:
@@ -64,9 +69,13 @@ def test_registry_contents() -> None:
 def test_every_model_builds_and_runs(name: str) -> None:
     c, h, w = _input_shape(name)
     model = build_model(name, in_channels=c, num_classes=NUM_CLASSES, image_size=(h, w)).eval()
+    x = torch.randn(BATCH, c, h, w)
     with torch.no_grad():
-        out = model(torch.randn(BATCH, c, h, w))
-    assert out.shape == (BATCH, NUM_CLASSES)
+        if name in TIME_CONDITIONED:
+            out = model(x, torch.zeros(BATCH), torch.ones(BATCH), torch.arange(BATCH))
+        else:
+            out = model(x)
+    assert out.shape == (x.shape if name in TIME_CONDITIONED else (BATCH, NUM_CLASSES))
     assert torch.isfinite(out).all()
 
 

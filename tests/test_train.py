@@ -71,8 +71,14 @@ MODELS = [
 
 @pytest.mark.parametrize("model, extra", MODELS, ids=[m for m, _ in MODELS])
 def test_fast_dev_run_models(tmp_path, model, extra):
+    """Each model trains one batch with the Jacobian penalty applied: logged positive and finite, and the total loss
+    is the task loss plus its weight times it."""
     result, objects = fdr(tmp_path, f"model={model}", "regularizer=jacobian", *extra)
-    assert objects["lit"].net is not None
+    logged = result["history"][0]
+    assert [type(cb).__name__ for cb in objects["callbacks"]].count("JacobianRegularizer") == 1
+    penalty, weight = logged["train/jacobian_frobenius"], logged["train/jacobian_frobenius_weight"]
+    assert 0 < penalty < float("inf") and weight > 0, logged
+    assert logged["train/total_loss"] == pytest.approx(logged["train/loss_step"] + weight * penalty, rel=1e-6), logged
 
 
 @pytest.mark.slow

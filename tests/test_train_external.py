@@ -40,8 +40,7 @@ def _penalties(result):
 @pytest.mark.parametrize("reg", REGULARIZERS)
 @pytest.mark.parametrize("source", ["timm_convnext", "hf_vit"])
 def test_every_regularizer_trains_timm_and_hf(tmp_path, source, reg):
-    package, overrides = SOURCES[source]
-    pytest.importorskip(package)
+    _, overrides = SOURCES[source]
     result, objects = fdr(tmp_path, *overrides, f"regularizer={reg}", "data.batch_size=8")
     n_reg = sum(type(cb).__name__.endswith("Regularizer") for cb in objects["callbacks"])
     assert n_reg == {"none": 0, "stacked": 2}.get(reg, 1)
@@ -53,15 +52,13 @@ def test_every_regularizer_trains_timm_and_hf(tmp_path, source, reg):
 
 @pytest.mark.parametrize("source", ["timm_vit", "hf_convnext", "hf_swin"])
 def test_more_architectures_train_with_jacobian_regularization(tmp_path, source):
-    package, overrides = SOURCES[source]
-    pytest.importorskip(package)
+    _, overrides = SOURCES[source]
     result, _ = fdr(tmp_path, *overrides, "regularizer=jacobian", "data.batch_size=8")
     assert len(_penalties(result)) == 1
 
 
 @pytest.mark.slow
 def test_hf_short_run_evaluates_robustness_and_names_the_model(tmp_path):
-    pytest.importorskip("transformers")
     result, objects = train(make_cfg(tmp_path, [
         "model=hf", "logger=none", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
         "trainer.limit_val_batches=1", "robustness.max_samples=16", "robustness.jacobian_max_samples=4",
@@ -75,21 +72,18 @@ def test_hf_short_run_evaluates_robustness_and_names_the_model(tmp_path):
 
 
 def test_timm_unknown_name_suggests_the_closest(tmp_path):
-    pytest.importorskip("timm")
     with pytest.raises(InstantiationException, match=r"unknown timm model 'convnxt_atto'\. Did you mean "
                                                      r"'convnext_atto'"):
         fdr(tmp_path, "model=timm", "model.name=convnxt_atto", "data.resize=32")
 
 
 def test_timm_model_too_large_for_the_data_says_resize(tmp_path):
-    pytest.importorskip("timm")
     with pytest.raises(ValueError, match=r"model=convnext_atto fails on 1x8x8 inputs .*Fix: resize the data, "
                                          r"e\.g\. data\.resize=32"):
         fdr(tmp_path, "model=timm", "+model.depths=[1,1,1,1]", "+model.dims=[8,16,32,64]")
 
 
 def test_hf_misspelt_config_field(tmp_path):
-    pytest.importorskip("transformers")
     with pytest.raises(InstantiationException, match=r"ViTConfig has no field 'hiden_size'\. Did you mean "
                                                      r"'hidden_size'\?"):
         fdr(tmp_path, "model=hf", "+model.config.hiden_size=8")
@@ -105,7 +99,7 @@ def test_missing_extra_names_the_install_command(tmp_path, monkeypatch, option, 
 
 
 def test_timm_pretrained_download_failure_says_what_to_do(monkeypatch):
-    timm = pytest.importorskip("timm")
+    import timm
     from jvpreg.models import build_timm
 
     def offline(name, pretrained=False, **kwargs):
@@ -121,7 +115,7 @@ def test_timm_pretrained_download_failure_says_what_to_do(monkeypatch):
 
 
 def test_hf_pretrained_loads_the_checkpoint_sized_to_the_data(monkeypatch):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from jvpreg.models import HFImageClassifier, build_hf
 
     seen = {}

@@ -528,7 +528,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         t0 = time.time()
         row = bench_one(c, args.batch, args.repeats, args.warmup, compiled=args.compiled)
         rows.append(row)
-        print(f"{c.name:24s} {row.get('engine', '-'):9s} jvpreg/fwd2B {row.get('jvpreg_over_forward_2B', float('nan')):6.2f} "
+        ratio = row.get("jvpreg_over_forward_2B", float("nan"))
+        print(f"{c.name:24s} {row.get('engine', '-'):9s} jvpreg/fwd2B {ratio:6.2f} "
               f"torch.func/jvpreg {row.get('torch_func_over_jvpreg', float('nan')):6.2f} ({time.time() - t0:.0f} s)",
               flush=True)
     meta = {"command": command_line("python -m jvpreg.bench clients", argv), "machine": machine_description("cpu"),

@@ -20,9 +20,9 @@ Methods (columns):
 * ``double_vjp``: ``torch.autograd.functional.jvp`` (the double-VJP trick, eq. doubleVJP).
 * ``clone``: ``jvpreg.jvp`` / ``jvpreg.jvp_params`` (clone mode, one forward of ``[x; x + s u]``).
 * ``fwd_2b``: the plain forward of the same ``2B``-row batch: not a JVP, the physical limit
-  (DESIGN.md §3), so ``clone / fwd 2B`` is the engine's overhead.
+  (docs/design.md §3), so ``clone / fwd 2B`` is the engine's overhead.
 
-Implementation choices (DESIGN.md asks that they be written down):
+Implementation choices (written down here; the math is in docs/design.md):
 
 * Every method is run under the same conditions: parameters frozen (``requires_grad=False``) so
   that no method pays for a parameter-gradient graph it does not need, grad mode left on (the

@@ -10,7 +10,11 @@ training step (zero_grad, forward, backward, SGD step) per method and writes Mar
   own code path (:class:`jvpreg.callbacks.SharedForward` armed around the model call: one forward
   of the 2B-row batch, one backward), on the default engine (captured from the second step; the warm-up
   steps take the eager one and the capture); ``clone_eager`` and
-  ``clone_compiled`` force the eager and the compiled engines (:mod:`jvpreg.clone.capture`).
+  ``clone_compiled`` force the eager and the compiled engines (:mod:`jvpreg.clone.capture`); ``clone_graphed`` the
+  compiled program replayed as CUDA graphs (``engine="graphed"``; on the CPU, the compiled one).
+* ``clone_rows50``, ``clone_rows25``: ``clone`` with tangents on a random half / quarter of the rows
+  (``row_subset=0.5`` / ``0.25``, :mod:`jvpreg.losses.row_subset`): the other rows run plainly, a step runs
+  ``B + b`` rows.
 * ``plain_compiled``: the plain step with the model under ``torch.compile`` (the reference for
   ``clone_compiled``, with the compiled engine's Inductor options: :func:`jvpreg.clone.capture.inductor_options`).
 * ``double_backprop_compiled``: ``double_backprop`` through the ``torch.compile``-d model, which torch refuses
@@ -70,9 +74,11 @@ from . import memory, report
 from .timing import machine_description, measure
 
 LAM = 0.01
-METHODS = ("plain", "plain_2b", "clone", "clone_eager", "double_backprop", "forward_ad", "func_jvp", "functional_jvp",
-           "plain_compiled", "clone_compiled", "double_backprop_compiled")
-CLONE_ENGINES = {"clone": "auto", "clone_eager": "eager", "clone_compiled": "compiled"}
+METHODS = ("plain", "plain_2b", "clone", "clone_eager", "clone_rows50", "clone_rows25", "double_backprop", "forward_ad", "func_jvp", "functional_jvp",
+           "plain_compiled", "clone_compiled", "clone_graphed", "double_backprop_compiled")
+CLONE_ENGINES = {"clone": "auto", "clone_eager": "eager", "clone_compiled": "compiled", "clone_graphed": "graphed", "clone_rows50": "auto",
+                 "clone_rows25": "auto"}
+ROW_SUBSETS = {"clone_rows50": 0.5, "clone_rows25": 0.25}
 JVP_METHODS = ("forward_ad", "func_jvp", "functional_jvp", "clone_eager", "clone_compiled")
 DEFAULT_OUT = "experiments/results/bench_train_cpu"
 AUTOCAST = {"none": None, "bf16": torch.bfloat16}
@@ -180,7 +186,7 @@ class Step:
         if self.method == "plain_2b":
             return F.cross_entropy(model(torch.cat([x, x + u])), torch.cat([y, y]))
         if shared is not None:  # the callbacks' code path: hooks armed around the user's forward
-            shared.arm([(penalty, LAM, 1.0)])
+            shared.arm([(penalty, LAM, 1.0)], row_subset=ROW_SUBSETS.get(self.method))
             try:
                 out = model(x)  # plain f(x) for the user's code; the clone forward ran underneath
                 return F.cross_entropy(out, y) + shared.total()

@@ -40,6 +40,7 @@ from pytorch_lightning import Callback, LightningModule, Trainer
 from ..clone.capture import ENGINES
 from ..losses.base import (JVPPenalty, Stack, Term, as_terms, check_choice, check_float, check_int,
                            regularized_forward)
+from ..losses.row_subset import check_rows
 from ..losses.constraints import TRANSFORMS, JVPConstraint, TangentProp
 from ..losses.jacobian import JacobianFrobenius, JacobianSpectralNorm
 from ..losses.sensitivity import ParameterSensitivity
@@ -79,11 +80,16 @@ class _Coordinator:
             sf = SharedForward(_resolve(self.pl_module, cb.module, type(cb).__name__),
                                input_index=cb.input_index, input_key=cb.input_key, engine=cb.engine)
             sf.requested_engine = cb.engine
+            sf.requested_row_subset = cb.row_subset
             self.forwards[path] = sf
         elif sf.requested_engine != cb.engine:
             raise ValueError(f"{type(cb).__name__}(name={cb.name!r}): regularizers of module={cb.module!r} share one "
                              f"clone forward and must agree on the engine: got engine={cb.engine!r} and "
                              f"engine={sf.requested_engine!r}.")
+        elif sf.requested_row_subset != cb.row_subset:
+            raise ValueError(f"{type(cb).__name__}(name={cb.name!r}): regularizers of module={cb.module!r} share one "
+                             f"clone forward and must agree on the row subset: got row_subset={cb.row_subset!r} and "
+                             f"row_subset={sf.requested_row_subset!r}.")
         elif (sf.input_index, sf.input_key) != (cb.input_index, cb.input_key):
             raise ValueError(f"{type(cb).__name__}(name={cb.name!r}): regularizers of module={cb.module!r} must "
                              f"agree on the input: got input_index={cb.input_index}, input_key={cb.input_key!r} "
@@ -144,7 +150,7 @@ class _Coordinator:
                 y = cb.target_of(batch)
                 terms.extend(cb.terms)
                 targets.extend([y] * len(cb.terms))
-            self.forwards[path].arm(terms, targets)
+            self.forwards[path].arm(terms, targets, row_subset=cbs[0][0].row_subset)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_LOSS_FALLBACK, category=JVPFallbackWarning)
@@ -286,6 +292,8 @@ _NOT_FINGERPRINTED = ("penalty", "terms", "steps_applied", "log_name")
 def _fingerprint(cb: "JVPRegularizer") -> str:
     """Short digest of a regularizer's whole configuration: its penalties and every option."""
     options = {k: v for k, v in vars(cb).items() if not k.startswith("_") and k not in _NOT_FINGERPRINTED}
+    if options.get("row_subset", 0) is None:  # keys of configurations from before the option stay as they were
+        del options["row_subset"]
     text = _describe([type(cb).__name__, [(p, w, f) for p, w, f in cb.terms], options])
     return hashlib.sha1(text.encode()).hexdigest()[:8]
 
@@ -323,6 +331,11 @@ class JVPRegularizer(Callback):
         batch_fraction: regularize the first ``ceil(f B)`` rows of each batch (``0 < f <= 1``). Clone
             mode needs full-size tangent blocks, so the other rows get zero tangents and are not
             scored: this changes which samples are regularized, not the cost.
+        row_subset: carry tangents on a random subset of each batch's rows: a fraction ``f`` in ``(0, 1]``
+            (``ceil(f B)`` rows) or a row count; ``None``: every row. This changes the cost: a step runs
+            ``B + b`` rows instead of ``2B``; the penalty (a mean over the subset) stays unbiased. Train-mode
+            BatchNorm then normalizes the subset and the other rows apart (:mod:`jvpreg.losses.row_subset`).
+            Regularizers of one module must agree.
         module: attribute path of the submodule whose forward gets the concatenated batch (e.g.
             ``"net"`` or ``"backbone.encoder"``); ``None``: the LightningModule itself.
         input_index: position of the input among the module's forward arguments.
@@ -371,8 +384,8 @@ class JVPRegularizer(Callback):
 
     def __init__(self, penalty: Union[JVPPenalty, Stack], weight: float, *, schedule: str = "constant",
                  warmup_steps: int = 0, total_steps: Optional[int] = None, final_weight: float = 0.0,
-                 every_n_steps: int = 1, batch_fraction: float = 1.0, module: Optional[str] = None,
-                 input_index: int = 0, input_key: Optional[str] = None, output_key: Union[int, str, None] = None,
+                 every_n_steps: int = 1, batch_fraction: float = 1.0, row_subset: Union[int, float, None] = None,
+                 module: Optional[str] = None, input_index: int = 0, input_key: Optional[str] = None, output_key: Union[int, str, None] = None,
                  target_index: Optional[int] = 1, target_key: Optional[str] = None, name: Optional[str] = None,
                  log_val_jacobian: bool = False, prog_bar: bool = True, engine: str = "auto"):
         where = f"{type(self).__name__}(...)"
@@ -398,6 +411,7 @@ class JVPRegularizer(Callback):
         self.final_weight = check_float(where, "final_weight", final_weight, low=0.0)
         self.every_n_steps = check_int(where, "every_n_steps", every_n_steps, 1)
         self.batch_fraction = check_float(where, "batch_fraction", batch_fraction, low=0.0, high=1.0, low_open=True)
+        self.row_subset = check_rows(where, row_subset)
         if module is not None and (not isinstance(module, str) or not module):
             raise TypeError(f"{where}: expected module to be None or a non-empty attribute path str, got {module!r}.")
         self.module = module

@@ -21,7 +21,8 @@ from torch.nn.modules import module as _module_mod
 
 from ..clone import api as _api
 from ..clone import capture
-from ..losses.base import Plan, Term, prepare
+from ..losses import row_subset as _row_subset
+from ..losses.base import Plan, Term, prepare, subset_rows
 
 __all__ = ["SharedForward"]
 
@@ -82,6 +83,9 @@ class SharedForward:
             op-by-op clone mode. ``torch.compile``-d submodules (and modules compiled in place by
             ``module.compile()``) run their original code in the clone.
 
+    With ``arm(..., row_subset=...)`` the armed call runs the module twice (:mod:`jvpreg.losses.row_subset`): as the
+    clone forward of the subset, then plainly on the other rows; the caller receives one output.
+
     Example::
 
         >>> shared = SharedForward(model)
@@ -106,6 +110,8 @@ class SharedForward:
         self._x: Optional[torch.Tensor] = None  # the input a packed call clones inside its program
         self._tan: Any = None  # that call's tangent output
         self._cm = None
+        self._row_subset = None
+        self._rows: Optional[Tuple[torch.Tensor, torch.Tensor, Any]] = None  # (subset S, others R, their arguments)
         self._depth = 0
         self._busy = False
         self.fired = False
@@ -118,9 +124,11 @@ class SharedForward:
         ]
 
     # -- arming -----------------------------------------------------------------------------
-    def arm(self, terms: Sequence[Term], targets: Optional[Sequence[Any]] = None) -> None:
-        """Clone the next call of the module for ``terms`` (``(penalty, weight, batch_fraction)``)."""
+    def arm(self, terms: Sequence[Term], targets: Optional[Sequence[Any]] = None, *, row_subset: Any = None) -> None:
+        """Clone the next call of the module for ``terms`` (``(penalty, weight, batch_fraction)``), with tangents on
+        a random ``row_subset`` of the rows (a fraction or a count, :mod:`jvpreg.losses.row_subset`; ``None``: all)."""
         self.disarm()
+        self._row_subset = _row_subset.check_rows("SharedForward.arm(terms)", row_subset)
         self._terms = list(terms)
         self._targets = None if targets is None else list(targets)
         # the cloned call runs through jvpreg.clone.call (captured program, compiled submodules
@@ -156,6 +164,7 @@ class SharedForward:
             self.module._compiled_call_impl, self._compiled_call = self._compiled_call, None
         self._terms = self._targets = self._plan = self.plan = self.values = self.batch_size = None
         self._x = self._tan = None
+        self._rows = None
         self._depth = 0
         self.fired = False
 
@@ -242,18 +251,27 @@ class SharedForward:
         x, put = self._locate(args, kwargs)
         if not _is_float(x) or x.dim() == 0:
             self._reject(x, args, kwargs)
+        targets, split = self._targets, False
+        rows = subset_rows(self._terms, x, self._row_subset)
+        if rows is not None:  # the subset as the clone forward's own primal, the other rows plainly after it
+            s, r = rows
+            batch = int(x.shape[0])
+            self._rows = (s, r, _row_subset.split((args, kwargs), batch, r))
+            args, kwargs, targets = _row_subset.split((args, kwargs, targets), batch, s)
+            x, put = self._locate(args, kwargs)
+            split = True
 
         def forward(z):
             a, k = put(z)
             return self._bypass(a, k)
 
-        plan = prepare(module, x, self._terms, targets=self._targets, forward=forward,
+        plan = prepare(module, x, self._terms, targets=targets, forward=forward,
                        pack=not self._packs_in_program(module, x, args, kwargs))
         self._plan = plan
-        self.batch_size = int(x.shape[0])
+        self.batch_size = int(x.shape[0]) if rows is None else int(rows[0].numel() + rows[1].numel())
         if plan.x_in is None:  # packed inside the program, from the arguments as they are
             self._x = x
-            return None
+            return (args, kwargs) if split else None
         self._cm = plan.enter(module, watch=False)  # capture.call watches what it runs eagerly
         return put(plan.x_in)
 
@@ -296,4 +314,7 @@ class SharedForward:
         else:
             out, values = plan.finish(output)
         self.plan, self.values = plan, values
+        if self._rows is not None:
+            (s, r, (a, k)), self._rows = self._rows, None
+            out = _row_subset.merge(out, self._bypass(a, k) if r.numel() else None, s, r)
         return out

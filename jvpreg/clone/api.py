@@ -1,6 +1,6 @@
 """Public entry points: ``jvp`` (drop-in for ``torch.func.jvp``), ``jvp_params``, ``pack``/``unpack``.
 
-Scale choice (difference form, DESIGN.md §1). Block j is ``x + s_j u_j`` with one power-of-two
+Scale choice (difference form, docs/design.md §1). Block j is ``x + s_j u_j`` with one power-of-two
 scale per tangent, ``s_j = 2^round(log2(R * rms(x) / rms(u_j)))``, ``R = 2^40`` (``2^2`` when the
 primals are float16 or float16 autocast is on, to stay clear of its 65504 range). Because every
 rule is linear in ``z_j - a``, ``(y_j - y_0) / s_j`` equals ``J u_j`` up to rounding, whose relative
@@ -421,7 +421,7 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
 
     ``func(*primals)`` runs once on a batch that holds the primals and ``primal + s_j * tangent_j``
     as blocks; every nonlinearity takes its state (masks, argmax, statistics) from the primal block,
-    so ``(f(x + s u) - f(x)) / s`` is exactly ``J_f(x) u`` (DESIGN.md §1). Works on unmodified
+    so ``(f(x + s u) - f(x)) / s`` is exactly ``J_f(x) u`` (docs/design.md §1). Works on unmodified
     modules and functions, train-mode BatchNorm (statistics and running averages from the primal
     alone) and fused attention, and is differentiable: gradients of any function of the JVP w.r.t.
     parameters are exact.

@@ -211,7 +211,7 @@ def _holds_unseen(obj: Any) -> bool:
 
 _HOLDERS: Dict[Tuple[int, ...], "Holder"] = {}
 _MAX_HOLDERS = 8
-_FREE: Dict[types.CodeType, "Holder"] = {}
+_FREE: Dict[Any, "Holder"] = {}  # module-free callables: a holder per code object (or torch function)
 
 
 class Holder(nn.Module):
@@ -248,10 +248,11 @@ def _root(modules: List[nn.Module], structure: Any) -> nn.Module:
 
 
 def _first_code(structure: Any) -> Any:
+    """What names a module-free callable's holder: its first code object, else its first torch function."""
     stack = [structure]
     while stack:
         s = stack.pop()
-        if isinstance(s, types.CodeType):
+        if isinstance(s, types.CodeType) or (callable(s) and not isinstance(s, type)):
             return s
         if isinstance(s, tuple):
             stack.extend(reversed(s))

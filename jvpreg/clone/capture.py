@@ -113,6 +113,7 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpointed_regions, compiled_code, device_paths, functions, kernels, sharded_units
 from . import tensor as _tensor
 from .dispatch import _FALLBACK
+from .registry import Handlers
 from .guards import Guard, ValueReads, dynamic_shapes, split
 from .replay import replay_function
 from .side_effects import (AttributeReads, Attributes, Generators, Globals, argument_objects, changed,
@@ -123,7 +124,7 @@ from .tensor import _ANY_AUTOCAST, CloneTensor
 __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGER_CALLS_BEFORE_CAPTURE", "call", "reset",
            "uncompiled", "resolve_engine", "programs", "inductor_options"]
 
-ENGINES = ("auto", "eager", "captured", "compiled")
+ENGINES = ("auto", "eager", "captured", "compiled", "graphed")
 MAX_PROGRAMS = 16
 #: Programs recorded for one call signature whose Python reads tensor values (one per set of values read,
 #: :mod:`jvpreg.clone.guards`); past this many the signature runs in eager clone mode. ``engine="auto"`` records
@@ -154,6 +155,28 @@ def inductor_options(device_type: str) -> Dict[str, Any]:
     programs of convolution-heavy models at large activations (VGG-16 and DenseNet-121, 16 rows of 64x64: 15-18%
     slower than torch.compile's default). The benchmarks compile their 2B forward alike."""
     return {"layout_optimization": False} if device_type == "cpu" else {}
+
+
+def graphed_options(device_type: str) -> Dict[str, Any]:
+    """``engine="graphed"``: the compiled program replayed as CUDA graphs (Inductor's ``triton.cudagraphs``, what
+    ``mode="reduce-overhead"`` turns on): one launch per replay instead of one per kernel, for small-op models whose
+    step is launch-bound. The program's input shapes are guarded as every program's are (a new shape records and
+    graphs a new program, ``dynamic=False``). Off the GPU there is nothing to graph: the program is compiled as
+    ``engine="compiled"`` compiles it, with one :class:`JVPCaptureWarning`."""
+    if device_type == "cuda":
+        return {"triton.cudagraphs": True}
+    _warn_once(("graphed", device_type), f"jvpreg: engine='graphed' replays CUDA graphs, which need CUDA tensors; "
+                                         f"these are on {device_type}: compiled without graphs (engine='compiled').")
+    return inductor_options("cpu" if device_type == "cpu" else "accelerator")
+
+
+_WARNED_ONCE: set = set()
+
+
+def _warn_once(key: Any, message: str) -> None:
+    if key not in _WARNED_ONCE:
+        _WARNED_ONCE.add(key)
+        warnings.warn(message, JVPCaptureWarning, stacklevel=4)
 
 
 class CaptureError(RuntimeError):
@@ -475,7 +498,7 @@ def _key(rec: _Record, call_id: Any, in_spec: Any, leaves: List[Any], slot_value
     return (call_id, in_spec, sigs, slot_sig,
             rec.root_flagged and rec.root().training, tuple(map(_TRAINING, rec.flagged)), torch.is_grad_enabled(),
             _autocast_state(), torch.get_default_dtype(),  # factory ops without a dtype (torch.full, arange)
-            _FALLBACK["mode"], device_paths.simulated())
+            _FALLBACK["mode"], device_paths.simulated(), Handlers.version)  # the rules the program ran
 
 
 def _varying_sizes(keys: List[Tuple[Any, ...]]) -> str:
@@ -629,6 +652,11 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         raise CaptureError("its forward draws random numbers from a torch.Generator that is not an attribute of "
                            "the model (one made inside the forward, or held elsewhere), which a captured program "
                            "cannot replay as the forward draws from it")
+    strided = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target in _STRIDED})
+    if strided:
+        raise CaptureError(f"its clone forward places data by storage offset ({', '.join(strided)}), whose gradient "
+                           "through a replayed program differs from the forward's (found with as_strided_scatter on a "
+                           "view)")
     draws = any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
     _check_constants(gm, out_meta["traced_storages"])
     reads = out_meta["reads"]
@@ -663,6 +691,10 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
                     reads=attribute_reads.checks(rec.root()) + module_globals.checks(),
                     guard=guard,
                     replay=replay)
+
+
+#: ops that address memory by storage offset: refused in a program (:func:`_trace`)
+_STRIDED = frozenset(getattr(torch.ops.aten, name).default for name in ("as_strided", "as_strided_", "as_strided_scatter"))
 
 
 def _holds_tensor(value: Any, depth: int) -> bool:
@@ -767,6 +799,10 @@ def _check_constants(gm: torch.fx.GraphModule, traced: Dict[int, set]) -> None:
         value = getattr(gm, node.target, None)
         if not isinstance(value, torch.Tensor):
             continue
+        if torch._C._functorch.is_functorch_wrapped_tensor(value):
+            raise CaptureError(f"the program would hold {node.target} as a constant that a torch.func transform inside "
+                               "the forward wrapped (vmap's batched tensor, as FlexAttention makes under no_grad), "
+                               "which no replay can read")
         aliases = set().union(*(traced.get(ptr, set()) for ptr in _storages([value])))
         if not all(_derived_from(n, node) for n in aliases):
             raise CaptureError(f"the program would hold {node.target} {tuple(value.shape)} as a constant, but it "
@@ -921,8 +957,8 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     else:
         leaves, in_spec = tree_flatten((args, kwargs))
     slot_values = rec.slot_values()
-    compiled = engine == "compiled"  # its own program: rules may pick what Inductor fuses best (tensor.compiling)
-    key = _key(rec, (fn_key, "compiled") if compiled else fn_key, in_spec, leaves, slot_values, finite)
+    compiled = engine in ("compiled", "graphed")  # its own program: rules may pick what Inductor fuses best
+    key = _key(rec, (fn_key, engine) if compiled else fn_key, in_spec, leaves, slot_values, finite)
     prog = rec.programs.get(key)
     if prog is not None and prog.attrs and not all((module.__dict__ if d is None else d).get(n) is v
                                                    for d, n, v in prog.attrs):
@@ -984,14 +1020,17 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
         return _run_eager(module, fn, args, kwargs, prog.reason, engine)
     prog.replays += 1
     run = prog.replay or prog.gm
-    if engine == "compiled":
+    if compiled:
         if prog.compiled is None:
             inputs = _inputs(leaves, slot_values) if inputs is None else inputs
-            device = "cpu" if all(t.device.type == "cpu" for t in inputs) else "accelerator"
-            prog.compiled = torch.compile(prog.gm, dynamic=False, options=inductor_options(device))
+            types_ = {t.device.type for t in inputs}
+            device = "cpu" if types_ <= {"cpu"} else "accelerator"
+            options = graphed_options(next(iter(types_ - {"cpu"}), "cpu")) if engine == "graphed" else \
+                inductor_options(device)
+            prog.compiled = torch.compile(prog.gm, dynamic=False, options=options)
         run = prog.compiled
     # grad mode restored even if the replay raises midway; a compiled program stays compiled inside a clone forward
-    stance = compiled_code.caller_stance() if engine == "compiled" else contextlib.nullcontext()
+    stance = compiled_code.caller_stance() if compiled else contextlib.nullcontext()
     with torch.set_grad_enabled(torch.is_grad_enabled()), stance:
         outs = run(*(_inputs(leaves, slot_values) if inputs is None else inputs))
     return _rebuild(prog, outs)

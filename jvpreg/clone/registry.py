@@ -37,7 +37,42 @@ from .tensor import is_clone, wrap, wrap_tree
 
 Handler = Callable[[Callable, tuple, dict], Any]
 
-HANDLERS: Dict[Any, Handler] = {}
+class Handlers(dict):
+    """The registry's table, op -> handler, with a ``version`` that every change bumps: a captured program is
+    recorded under the version of the rules it ran (:func:`jvpreg.clone.capture.call`), so a rule registered,
+    replaced or removed later records the program again."""
+
+    version = 0
+
+    def _bump(self):
+        Handlers.version += 1
+
+    def __setitem__(self, key, value):
+        self._bump()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._bump()
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self._bump()
+        return super().pop(*args)
+
+    def update(self, *args, **kwargs):
+        self._bump()
+        super().update(*args, **kwargs)
+
+    def clear(self):
+        self._bump()
+        super().clear()
+
+    def setdefault(self, key, default=None):
+        self._bump()
+        return super().setdefault(key, default)
+
+
+HANDLERS: Dict[Any, Handler] = Handlers()
 REENTRANT: set = set()  # handlers that run with torch-function enabled (decompositions)
 #: ops whose handler is exact on complex clones whatever their number (linear in every argument: add, cat...) or
 #: written for them (abs); other handlers see complex tangents only where :func:`dispatch.complex_exact` allows
@@ -95,7 +130,6 @@ class Overload:
 
 _OVERLOADS: Dict[Any, tuple] = {}
 _PLANS: Dict[Any, Any] = {}
-_OVERRIDES: list = []
 
 
 def _from_signature(fn: Any) -> Overload | None:
@@ -130,8 +164,8 @@ def _from_schemas(name: str) -> list:
 def overloads(func: Any) -> tuple:
     """The signatures ``func`` can be called with, as :class:`Overload` s: a Python function's own signature;
     for torch's C functions and Tensor methods the ATen schemas of the same name (the names and defaults
-    torch's argument parser binds keywords by), then the documented signature of
-    ``torch.overrides.get_testing_overrides``."""
+    torch's argument parser binds keywords by). Not ``torch.overrides.get_testing_overrides``: its lambdas make
+    keyword-only parameters positional (``nonzero(input, as_tuple)``) and misname others (``permute(dim)``)."""
     try:
         return _OVERLOADS[func]
     except KeyError:
@@ -146,12 +180,6 @@ def overloads(func: Any) -> tuple:
         name = getattr(func, "__name__", "")
         if name and not name.startswith("__"):
             found = _from_schemas(name)
-        if not _OVERRIDES:
-            _OVERRIDES.append(torch.overrides.get_testing_overrides())
-        documented = _OVERRIDES[0].get(func)
-        sig = _from_signature(documented) if documented is not None else None
-        if sig is not None:
-            found.append(sig)
     _OVERLOADS[func] = tuple(found)
     return _OVERLOADS[func]
 

@@ -34,6 +34,15 @@ values are compared by value (an item set in place recaptures); other containers
 to the forward as an argument (``forward(x, opts)``) that the call signature tells apart by identity is read the
 same way (its chain of reads re-checked: ``opts.inner.shift``), and the plain module globals the model's code reads
 are re-checked too (:class:`Globals`; a forward that rebinds one runs eagerly).
+
+User objects are never asked to do anything: a snapshot reads and puts back an object's instance ``__dict__`` as a
+dict, and the items of *plain* ``list`` and ``dict`` attributes through the built-in types' own methods, only where
+they changed; a subclass (diffusers' ``FrozenDict`` config, whose ``update`` raises) is compared by identity, and
+values are compared by ``==`` only where both are numbers, strings, flags or dtypes. Why not Dynamo's guards and
+side-effect tracking: they would have to trace the clone engine's own Python, and a clone batch reports its
+primal's shape, which Dynamo's fake tensors cannot express (:mod:`jvpreg.clone.capture`); the price is that a write
+into a subclassed container's items, or into an object's ``__slots__``, is not seen (the capture treats them as
+unchanged).
 """
 from __future__ import annotations
 

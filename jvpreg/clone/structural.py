@@ -895,7 +895,7 @@ def multilinear(func, args, kwargs, batched_ndim: int):
 
     Block j of the output is ``op(x_j, W_0, b_0) + op(x_0, W_j - W_0, b_j - b_0)``: the input
     tangent rides in the merged batch, the weight tangent ("swapped layer weight",
-    DESIGN.md §1) is applied to the primal input only.
+    docs/design.md §1) is applied to the primal input only.
     """
     x = args[0]
     w = args[1] if len(args) > 1 else kwargs.get("weight")

@@ -46,7 +46,7 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 D = torch.float64
 RTOL = 1e-7
@@ -99,6 +99,8 @@ class Case:
     primal: torch.Tensor
     forward_ad: bool = True  # False: torch's forward AD of the op is wrong; the references are reverse mode
     ref_fn: Callable | None = None  # the references' function where it is not ``fn`` (:data:`DEFINITIONS`)
+    where: str = ""    # the differentiated leaf's path in ``(input, args, kwargs)``: "[0]", "[2]['weight']"
+    sample_input: Any = None  # the OpInfo SampleInput (what a test's expected failures select samples by)
 
     @property
     def reference_fn(self) -> Callable:
@@ -157,15 +159,17 @@ def cases(op, n_samples: int = N_SAMPLES, every: int = 1) -> Iterator[Case]:
     samples = list(itertools.islice(op.sample_inputs("cpu", D, requires_grad=False), n_samples))
     for si, s in strided(samples, every):
         flat, spec = tree_flatten((s.input, tuple(s.args), dict(s.kwargs)))
+        paths = [keystr(path) for path, _ in tree_flatten_with_path((s.input, tuple(s.args), dict(s.kwargs)))[0]]
         floats = [i for i, v in enumerate(flat) if _is_float(v) and v.dtype == D][:MAX_OPERANDS]
         definition = DEFINITIONS.get(op.name)
         forward_ad = (f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name) not in REVERSE_REFERENCE
         for i in floats:
             ref = None if definition is None else _call(definition, flat, spec, i, False)
-            yield Case(op.name, "", si, i, _call(op.op, flat, spec, i, False), flat[i], forward_ad, ref)
+            yield Case(op.name, "", si, i, _call(op.op, flat, spec, i, False), flat[i], forward_ad, ref, paths[i], s)
         inplace = op.inplace_variant
         if inplace is not None and floats and floats[0] == 0 and isinstance(s.input, torch.Tensor):
-            yield Case(op.name, "inplace", si, 0, _call(inplace, flat, spec, 0, True), flat[0], forward_ad)
+            yield Case(op.name, "inplace", si, 0, _call(inplace, flat, spec, 0, True), flat[0], forward_ad,
+                       where=paths[0], sample_input=s)
 
 
 #: call forms of :func:`keyword_cases`: every argument after the input by keyword; the first one by position and
@@ -577,12 +581,13 @@ F32_RATIO = 10.0    # our float32 error may be this many times torch.func's own 
 F32_ATOL = 1e-6     # ... plus this fraction of max |f(x)|: the difference form's absolute error is eps |y_0| / s
 
 
-def float32_errors(op, n_samples: int = N_SAMPLES) -> list:
+def float32_errors(op, n_samples: int = N_SAMPLES, skip: Callable[[Any], bool] | None = None) -> list:
     """``(case id, our error, torch.func's error, allowed)`` of every float32 case of ``op`` whose tangent is further
     from the float64 reference (:func:`reference` on the same inputs cast to float64) than ``F32_RATIO`` times
     the reference's own float32 error plus ``F32_ATOL * max |f(x)|``: a JVP silently wrong in the dtype models
     train in. Compared where the reference primal and tangent are finite (elsewhere the 0/NaN convention of the
-    float64 sweep holds); cases where either side raises are left to the float64 sweep."""
+    float64 sweep holds); cases where either side raises are left to the float64 sweep. ``skip(sample_input)``: the
+    samples not compared (an op whose result is unspecified on some samples)."""
     import jvpreg
 
     f32 = torch.float32
@@ -593,11 +598,15 @@ def float32_errors(op, n_samples: int = N_SAMPLES) -> list:
     for s in itertools.islice(op.sample_inputs("cpu", f32, requires_grad=False), n_samples):
         # copied as they come: some generators write into earlier samples' tensors (masked.* put -inf in)
         flat, spec = tree_flatten((s.input, tuple(s.args), dict(s.kwargs)))
-        samples.append(([v.clone() if isinstance(v, torch.Tensor) else v for v in flat], spec))
+        samples.append(None if skip is not None and skip(s) else
+                       ([v.clone() if isinstance(v, torch.Tensor) else v for v in flat], spec))
     bad = []
     definition = DEFINITIONS.get(op.name, op.op)  # the references' function and mode, as in the float64 sweep
     forward_ad = (f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name) not in REVERSE_REFERENCE
-    for si, (flat, spec) in enumerate(samples):
+    for si, sample in enumerate(samples):
+        if sample is None:
+            continue
+        flat, spec = sample
         for i in [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.dtype == f32][:MAX_OPERANDS]:
             u = _tangent_like(flat[i], 1)
             try:

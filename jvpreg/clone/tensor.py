@@ -3,7 +3,7 @@
 Block layout (stated once, enforced here): a :class:`CloneTensor` of logical shape ``L``
 is stored as a tensor of physical shape ``(K, *L)``. Block 0 is the primal ``a``; block
 ``j >= 1`` is ``a + s_j * t_j`` where ``t_j`` is the j-th tangent carried through the
-network and ``s_j`` its scale (difference form, DESIGN.md §1). Every consumer of the
+network and ``s_j`` its scale (difference form, docs/design.md §1). Every consumer of the
 tensor sees the *logical* shape ``L`` (``x.shape``, ``x.size()``, ``len(x)``, ``x.dim()``),
 exactly as in a plain forward of the primal alone, so user code that builds shapes,
 masks or constants from its inputs behaves as it does without jvpreg. This is what

@@ -13,7 +13,7 @@ vice versa), swaps the perturbed parameters for clones ``[W; W + s U_1; ...]``, 
 slices the JVPs back per penalty. The primal block of the output is the exact plain forward ``f(x)``
 (train-mode BatchNorm statistics and running averages from the primal rows only; one dropout mask
 for every block), so one forward and one backward give the task loss and every penalty with exact
-gradients (DESIGN.md, "Shared forward in training"). The Lightning callbacks run the same
+gradients (docs/design.md, "Shared forward in training"). The Lightning callbacks run the same
 :func:`prepare`/:meth:`Plan.finish` from forward hooks; :func:`regularized_forward` runs them around
 an explicit call.
 
@@ -43,6 +43,7 @@ from ..clone import api as _api
 from ..clone import functions as _functions
 from ..clone import capture as _capture
 from ..clone.compiled_code import between_graphs
+from . import row_subset as _row_subset
 from . import sharded as _sharded
 
 __all__ = [
@@ -218,11 +219,12 @@ class JVPPenalty(nn.Module):
 
     @between_graphs
     def forward(self, model: nn.Module, x: torch.Tensor, target: Any = None, *, batch_fraction: float = 1.0,
-                args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None, engine: str = "auto"):
-        """``(f(x), penalty)`` from one clone forward of ``model(x, *args, **kwargs)`` (``engine``: see
-        :func:`regularized_forward`)."""
+                args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None, engine: str = "auto",
+                row_subset: Any = None):
+        """``(f(x), penalty)`` from one clone forward of ``model(x, *args, **kwargs)`` (``engine``, ``row_subset``:
+        see :func:`regularized_forward`)."""
         return regularized_forward(model, x, self, target=target, batch_fraction=batch_fraction, args=args,
-                                   kwargs=kwargs, engine=engine)
+                                   kwargs=kwargs, engine=engine, row_subset=row_subset)
 
     # -- random directions -------------------------------------------------------------------
     def generator(self, device: torch.device) -> Optional[torch.Generator]:
@@ -598,9 +600,12 @@ class Stack(nn.Module):
 
     @between_graphs
     def forward(self, model: nn.Module, x: torch.Tensor, target: Any = None, *, args: Sequence[Any] = (),
-                kwargs: Optional[Mapping[str, Any]] = None, return_parts: bool = False, engine: str = "auto"):
-        """``(f(x), sum_i w_i penalty_i)`` (plus ``{name: penalty_i}`` with ``return_parts=True``)."""
-        out, total, parts = _run(model, x, self.terms, target, args, kwargs, engine)
+                kwargs: Optional[Mapping[str, Any]] = None, return_parts: bool = False, engine: str = "auto",
+                row_subset: Any = None):
+        """``(f(x), sum_i w_i penalty_i)`` (plus ``{name: penalty_i}`` with ``return_parts=True``); ``row_subset``:
+        see :func:`regularized_forward`."""
+        row_subset = _row_subset.check_rows("Stack.forward(model, x)", row_subset)
+        out, total, parts = _run(model, x, self.terms, target, args, kwargs, engine, row_subset)
         return (out, total, parts) if return_parts else (out, total)
 
 
@@ -616,10 +621,31 @@ def as_terms(penalties: Any, where: str) -> List[Term]:
                     f"got {type(penalties).__name__}.")
 
 
-def _run(model, x, terms, target, args, kwargs, engine="auto"):
+def subset_rows(terms: Sequence[Term], x: torch.Tensor, row_subset: Any):
+    """``(S, R)`` row indices of a row subset of ``x``'s batch (:mod:`jvpreg.losses.row_subset`), or ``None`` when
+    every row carries tangents; drawn with the first seeded penalty's generator, else the global RNG."""
+    batch = int(x.shape[0]) if x.dim() else 1
+    b = _row_subset.subset_size(row_subset, batch)
+    if b >= batch:
+        return None
+    seeded = next((p for p, _, _ in terms if p.seed is not None), None)
+    gen = None if seeded is None else seeded.generator(x.device)
+    return _row_subset.draw(batch, b, gen, x.device)
+
+
+def _run(model, x, terms, target, args, kwargs, engine="auto", row_subset=None):
     args, kwargs = tuple(args), dict(kwargs or {})
     engine = _capture.resolve_engine(engine, model, "regularized_forward(model, x, penalties)")
-    model = _capture.unwrap_compiled(model)
+    plain, model = model, _capture.unwrap_compiled(model)
+    rows = subset_rows(terms, x, row_subset)
+    if rows is not None:  # the subset as the clone forward's own primal, then the other rows plainly
+        s, r = rows
+        batch = x.shape[0]
+        x_r, args_r, kwargs_r = _row_subset.split((x, args, kwargs), batch, r)
+        x, args, kwargs, target = _row_subset.split((x, args, kwargs, target), batch, s)
+        out, total, parts = _run(plain, x, terms, target, args, kwargs, engine)
+        out_r = plain(x_r, *args_r, **kwargs_r) if r.numel() else None
+        return _row_subset.merge(out, out_r, s, r), total, parts
     packs = engine != "eager" and isinstance(model, nn.Module) and _api.packable((x, *args), kwargs)
     plan = prepare(model, x, terms, target=target, forward=lambda z: model(z, *args, **kwargs), pack=not packs)
     if plan.x_in is None:  # one program (args, u, s) -> (f(x), J u, s), as the callbacks' shared forward
@@ -637,7 +663,8 @@ def _run(model, x, terms, target, args, kwargs, engine="auto"):
 @between_graphs
 def regularized_forward(model: nn.Module, x: torch.Tensor, penalties: Any, *, target: Any = None,
                         batch_fraction: float = 1.0, args: Sequence[Any] = (),
-                        kwargs: Optional[Mapping[str, Any]] = None, engine: str = "auto") -> Tuple[Any, torch.Tensor]:
+                        kwargs: Optional[Mapping[str, Any]] = None, engine: str = "auto",
+                        row_subset: Any = None) -> Tuple[Any, torch.Tensor]:
     """``(f(x), penalty)`` from one clone forward: the helper for hand-written training loops.
 
     Runs ``model(x, *args, **kwargs)`` once on the concatenated batch of every penalty's directions;
@@ -657,13 +684,19 @@ def regularized_forward(model: nn.Module, x: torch.Tensor, penalties: Any, *, ta
             captured on the second call of an input signature (compiled if the model is ``torch.compile``-d),
             ``"eager"`` forces
             op-by-op clone mode.
+        row_subset: carry tangents on a random subset of the rows only: a fraction ``f`` in ``(0, 1]``
+            (``b = ceil(f B)`` rows) or a row count ``b``; ``None``: every row. The step then costs
+            ``B + b`` rows instead of ``2B``, and the penalty (a mean over the ``b`` rows) stays unbiased.
+            Train-mode BatchNorm then normalizes the subset and the other rows apart
+            (:mod:`jvpreg.losses.row_subset`).
 
     Returns:
         ``(out, penalty)``.
 
     Raises:
         TypeError: ``penalties`` of the wrong type, or a non-float input.
-        ValueError: ``batch_fraction`` outside ``(0, 1]``.
+        ValueError: ``batch_fraction`` outside ``(0, 1]``, or ``row_subset`` neither a fraction in ``(0, 1]``
+            nor a count ``>= 1``.
 
     Example::
 
@@ -678,5 +711,6 @@ def regularized_forward(model: nn.Module, x: torch.Tensor, penalties: Any, *, ta
         raise TypeError(f"{where}: expected model to be an nn.Module, got {type(model).__name__}.")
     f = check_float(where, "batch_fraction", batch_fraction, low=0.0, high=1.0, low_open=True)
     terms = [(p, w, min(fr, f)) for p, w, fr in as_terms(penalties, where)]
-    out, total, _ = _run(model, x, terms, target, args, kwargs, engine)
+    rows = _row_subset.check_rows(where, row_subset)
+    out, total, _ = _run(model, x, terms, target, args, kwargs, engine, rows)
     return out, total

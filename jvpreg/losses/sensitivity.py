@@ -1,6 +1,6 @@
 """Sensitivity of the output to random perturbations of chosen weights (a flatness penalty).
 
-The JVP w.r.t. a weight ``W`` in direction ``U`` is the "swapped layer weight" of DESIGN.md §1: the
+The JVP w.r.t. a weight ``W`` in direction ``U`` is the "swapped layer weight" of docs/design.md §1: the
 layer's weight is replaced, for this forward only, by the clone ``[W; W + s U]``, so a layer
 ``h = W z + b`` gives ``W z + b + s U z`` in the tangent block. With no input tangent, everything
 before the first perturbed layer runs once on the plain batch.

@@ -1,7 +1,7 @@
 """Parameter clones under FSDP2 (``fully_shard``): swap the *unsharded* weight, inside the forward.
 
 A weight-space direction ``U`` replaces a parameter ``W`` by the clone ``[W; W + s U_1; ...]`` for one
-forward (DESIGN.md §1, "swapped layer weight"). Under FSDP2 a managed parameter is a sharded
+forward (docs/design.md §1, "swapped layer weight"). Under FSDP2 a managed parameter is a sharded
 ``DTensor`` between forwards: the pre-forward hook of the ``fully_shard``-ed module that manages it
 all-gathers the group and registers the unsharded tensors on the submodules, its post-forward hook
 registers the shards again. So the clone is built from the unsharded ``W`` after FSDP's pre-forward

@@ -13,17 +13,21 @@ from jvpreg.models.registry import (
     replace_first_conv,
 )
 from jvpreg.models.external import HFImageClassifier, build_hf, build_timm
+from jvpreg.models.dit import DiT
 from jvpreg.models.rnn import RowRNN
 from jvpreg.models.small import MLP, LeNet5, SmallCNN
+from jvpreg.models.time_unet import TimeUNet
 from jvpreg.models.unet import UNet
 
 __all__ = [
+    "DiT",
     "MLP",
     "MODELS",
     "PAPER_ARCHITECTURES",
     "LeNet5",
     "RowRNN",
     "SmallCNN",
+    "TimeUNet",
     "UNet",
     "HFImageClassifier",
     "build_hf",

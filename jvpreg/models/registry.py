@@ -17,8 +17,10 @@ import torchvision
 from torch import nn
 
 from jvpreg.models._utils import check_positive_int, to_pair
+from jvpreg.models.dit import DiT
 from jvpreg.models.rnn import RowRNN
 from jvpreg.models.small import MLP, LeNet5, SmallCNN
+from jvpreg.models.time_unet import TimeUNet
 from jvpreg.models.unet import UNet
 
 __all__ = [
@@ -66,6 +68,9 @@ MIN_IMAGE_SIZE: dict[str, int] = {
     **{name: 32 for name in ("vgg11", "vgg11_bn", "vgg16", "vgg19")},
     **{name: 29 for name in ("densenet121", "densenet169", "densenet201")},
 }
+
+#: Models that accept ``num_classes=None`` (an image output, or no class conditioning).
+_UNCONDITIONAL: tuple[str, ...] = ("unet", "dit", "time_unet")
 
 #: Registry: lower-case name -> builder. Extend it with :func:`register_model`.
 MODELS: dict[str, ModelBuilder] = {}
@@ -187,6 +192,20 @@ def _build_unet(
     return UNet(in_channels, num_classes=num_classes, **kwargs)
 
 
+@register_model("dit")
+def _build_dit(
+    *, in_channels: int, num_classes: int | None, image_size: tuple[int, int], **kwargs: Any
+) -> nn.Module:
+    return DiT(in_channels, image_size, num_classes=num_classes, **kwargs)
+
+
+@register_model("time_unet")
+def _build_time_unet(
+    *, in_channels: int, num_classes: int | None, image_size: tuple[int, int], **kwargs: Any
+) -> nn.Module:
+    return TimeUNet(in_channels, num_classes=num_classes, **kwargs)
+
+
 # --------------------------------------------------------------------------- torchvision
 
 
@@ -259,7 +278,8 @@ def build_model(
             :func:`list_models`.
         in_channels: Input image channels. For torchvision models other than 3,
             the first convolution is replaced (see :func:`replace_first_conv`).
-        num_classes: Output classes. Only ``"unet"`` accepts ``None`` (image output).
+        num_classes: Output classes (class labels for ``dit`` and ``time_unet``). ``unet``, ``dit`` and
+            ``time_unet`` accept ``None`` (image output; unconditional).
         image_size: Input ``(H, W)`` or ``S``. Needed by size-dependent models
             (``mlp``, ``rnn``, ``lenet5``) and checked against each architecture's
             minimum (:data:`MIN_IMAGE_SIZE`, e.g. 75 for ``inception_v3``).
@@ -279,8 +299,9 @@ def build_model(
     key, builder = _lookup(name)
     check_positive_int(in_channels, "in_channels")
     if num_classes is None:
-        if key != "unet":
-            raise ValueError(f"num_classes=None is only supported by 'unet', got model {key!r}")
+        if key not in _UNCONDITIONAL:
+            raise ValueError(f"num_classes=None is only supported by {', '.join(map(repr, _UNCONDITIONAL))}, got "
+                             f"model {key!r}")
     else:
         check_positive_int(num_classes, "num_classes")
     size = to_pair(image_size)

@@ -195,3 +195,30 @@ def test_taking_apart_names_the_same_structure_for_new_instances():
     assert pa.structure == pb.structure and pa.module is net and pa.values[0] is not pb.values[0]
     assert callables.take_apart(functools.partial(net, w=2.0)).structure != callables.take_apart(
         functools.partial(net, w=3.0)).structure
+
+
+def test_a_rule_registered_after_a_capture_records_the_program_again():
+    """The rules a program ran are part of its key (``registry.Handlers.version``): a function captured with one rule
+    is not replayed after the rule is replaced (before: the old rule's program replayed)."""
+    from jvpreg.clone import register_handler
+    from jvpreg.clone.registry import HANDLERS
+    from jvpreg.clone.tensor import wrap
+
+    x, u = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    f = lambda z: torch.tanh(z) * z  # noqa: E731
+    holder = callables.take_apart(f).module
+    _check(f, (x,), (u,), engine="captured")
+    old = HANDLERS[torch.tanh]
+
+    def doubled(func, args, kwargs):  # exact primal, tangents doubled (blocks are x + s u)
+        p = old(func, args, kwargs).as_subclass(torch.Tensor)
+        return wrap(torch.cat([p[:1], 2 * p[1:] - p[:1]]))
+
+    try:
+        register_handler(torch.tanh)(doubled)
+        got = jvpreg.jvp(f, (x,), (u,), engine="captured")[1]
+        assert not torch.allclose(got, torch.func.jvp(f, (x,), (u,))[1])  # the new rule ran: not the old program
+    finally:
+        HANDLERS[torch.tanh] = old
+    _check(f, (x,), (u,), engine="captured")
+    assert len(_programs(holder)) == 3

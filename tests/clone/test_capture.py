@@ -14,6 +14,7 @@ from jvpreg.clone import JVPCaptureWarning, capture, fallback_mode
 from jvpreg.clone.device_paths import accelerator_path
 from jvpreg.losses import JacobianFrobenius, Stack, TangentProp, regularized_forward
 from jvpreg.models import build_model
+from conftest import count_captures
 
 D = torch.float64
 DEFAULT_EAGER_CALLS = capture.EAGER_CALLS_BEFORE_CAPTURE
@@ -119,7 +120,7 @@ def test_captured_equals_eager_on_the_zoo(name, mode, spec):
     model.train(mode == "train")
     x, us = randn(*shape), randn(2, *shape)
     eager = copy.deepcopy(model)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), count_captures() as n:
         warnings.simplefilter("error", JVPCaptureWarning)
         for i in range(2):  # capture, then replay; the same random draws (stochastic depth) for both
             torch.manual_seed(i)
@@ -128,8 +129,8 @@ def test_captured_equals_eager_on_the_zoo(name, mode, spec):
             y_e, t_e = jvpreg.jvp(eager, (x,), (us,), batched_tangents=True, engine="eager")
             torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
-    assert all(p.gm is not None for p in capture.programs(model).values())
-    assert len(capture.programs(model)) == 1
+    assert n.recorded == 1 and len(capture.programs(model)) == 1
+    n.ran_programs(2)
     for (n, b), b_e in zip(model.named_buffers(), eager.buffers()):
         assert torch.equal(b, b_e), n
 
@@ -225,9 +226,11 @@ def test_past_max_programs_a_signature_runs_eagerly_with_one_warning_that_names_
     """Sequence lengths that change from batch to batch (dynamic padding) are one signature each: past
     ``MAX_PROGRAMS`` a new one runs in eager clone mode, exact, after one warning that says to pad to a few lengths."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).to(D)
-    for n in range(1, capture.MAX_PROGRAMS + 1):
-        jvpreg.jvp(model, (randn(n, 4),), (randn(n, 4),))
-    assert all(p.gm is not None for p in capture.programs(model).values())
+    with count_captures() as counts:
+        for n in range(1, capture.MAX_PROGRAMS + 1):
+            jvpreg.jvp(model, (randn(n, 4),), (randn(n, 4),))
+    assert counts.recorded == capture.MAX_PROGRAMS == len(capture.programs(model))
+    counts.ran_programs(capture.MAX_PROGRAMS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in (capture.MAX_PROGRAMS + 1, capture.MAX_PROGRAMS + 2):
@@ -591,10 +594,12 @@ def test_jvp_params_captured_equals_eager():
     dirs = {"0.weight": randn(2, 3, 2, 3, 3), "4.bias": randn(2, 2)}
     eager = copy.deepcopy(model)
     for _ in range(2):
-        y, t = jvpreg.jvp_params(model, (x,), dirs, batched_tangents=True)
+        with count_captures() as n:
+            y, t = jvpreg.jvp_params(model, (x,), dirs, batched_tangents=True)
+        n.ran_programs(1)
         y_e, t_e = jvpreg.jvp_params(eager, (x,), dirs, batched_tangents=True, engine="eager")
         torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
-    assert all(p.gm is not None for p in capture.programs(model).values())
+    assert len(capture.programs(model)) == 1
 
 
 def test_clone_put_into_a_slot_by_hand_runs_eagerly_and_exactly():
@@ -880,3 +885,62 @@ def test_a_captured_module_is_freed_with_its_programs_when_the_caller_drops_it(e
         del m
     gc.collect()
     assert [r() for r in refs] == [None] * 3
+
+
+def test_the_capture_counts_see_an_eager_run_as_no_program():
+    """The tests' proof that a program ran (``conftest.count_captures``) tells the engines apart: the same module
+    and numbers, captured then replayed, then in eager clone mode (which an ``all(... gm is not None)`` over an
+    empty ``capture.programs`` could not tell from a replay)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).to(D)
+    x, u = randn(3, 4), randn(3, 4)
+    with count_captures() as captured:
+        for _ in range(2):
+            jvpreg.jvp(model, (x,), (u,), engine="captured")
+    assert captured.recorded == 1 and captured.refused == 0
+    captured.ran_programs(2)
+    with count_captures() as eager:
+        jvpreg.jvp(copy.deepcopy(model), (x,), (u,), engine="eager")
+    assert eager == type(eager)()
+    with pytest.raises(AssertionError, match="expected 1 replays and no eager run"):
+        eager.ran_programs(1)
+
+
+def test_runs_engine_fails_where_a_function_named_captured_runs_eagerly(monkeypatch):
+    """``conftest.runs_engine`` (the tests' proof that the engine they name ran, issue 56): a lambda captured and
+    replayed passes; the same lambda run eagerly, because ``callables.take_apart`` refuses every callable (a
+    mutation of the engine) or because the engine is forced to eager in ``capture._call``, fails it, and passes
+    only as a refusal with the reason it gives, said by a ``JVPCaptureWarning``."""
+    from conftest import runs_engine
+
+    from jvpreg.clone import callables
+
+    monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", DEFAULT_EAGER_CALLS)  # auto: eager, then programs
+    w = randn(4, 4)
+    f = lambda x: torch.tanh(x @ w)  # noqa: E731
+    x, u = randn(3, 4), randn(3, 4)
+
+    def calls(engine, n=2):
+        for _ in range(n):
+            jvpreg.jvp(f, (x,), (u,), engine=engine)
+
+    with runs_engine("captured", calls=2):
+        calls("captured")
+    with runs_engine("auto", calls=3):
+        calls("auto", 3)
+    with runs_engine("eager", calls=2):
+        calls("eager")
+    with monkeypatch.context() as patch:
+        patch.setattr(callables, "take_apart", lambda fn: callables.Parts(reason="a mutation refuses it"))
+        for engine in ("captured", "auto"):
+            with pytest.raises(AssertionError, match="not taken apart|expected"):
+                with runs_engine(engine, calls=2):
+                    calls(engine)
+        with runs_engine("captured", calls=2, refused="a mutation refuses it"):
+            calls("captured")
+    with monkeypatch.context() as patch:
+        real = capture._call
+        patch.setattr(capture, "_call", lambda module, args, kwargs, engine, *rest: real(module, args, kwargs,
+                                                                                         "eager", *rest))
+        with pytest.raises(AssertionError, match="expected 2 replays and no eager run"):
+            with runs_engine("captured", calls=2):
+                calls("captured")

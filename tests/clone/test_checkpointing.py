@@ -210,7 +210,6 @@ def test_timm_and_hugging_face_checkpointing(source, name):
     gradients of each engine's step without checkpointing (Hugging Face's float64 models compute their norms in
     float32, so the engines agree with each other only to float32 rounding there), and the captured step replays
     the checkpointed regions."""
-    pytest.importorskip("timm" if source == "timm" else "transformers")
     zoo = load_script("model_zoo_sweep")
     torch.manual_seed(0)
     model, call, x, _ = (zoo._timm if source == "timm" else zoo._hf)(name)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import jvpreg
+from conftest import runs_engine
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
 
@@ -52,7 +53,7 @@ def test_grouped_mm_jvp_matches_the_group_by_group_form(case, engine):
     x, b, u, _ = _data(0)
     f32 = CASES[case](_grouped, b.float())
     f64 = CASES[case](_looped, b)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), runs_engine(engine, calls=2):
         warnings.simplefilter("error")  # no fallback: the rule runs
         for _ in range(2):  # captured: the capture, then the replay
             y, t = jvpreg.jvp(f32, (x.float(),), (u.float(),), engine=engine)

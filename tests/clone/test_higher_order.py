@@ -136,7 +136,9 @@ def test_batch_norm_second_derivative_is_exact_or_torchs_clear_error():
     """Train-mode BatchNorm, the derivative of the penalty's gradient (a third derivative of batch norm): torch 2.15
     has none and says so, through jvpreg as through double backprop. torch 2.11 computes one that is wrong for
     double backprop alone (off by about half its size, against central differences), so nothing built on it can be
-    exact: there the test checks that the two are wrong alike, not that jvpreg adds an error of its own."""
+    exact: there the test checks that the two are wrong alike, not that jvpreg adds an error of its own. On every
+    torch: the penalty, its gradient along 1 and that gradient's central differences against a double-backward
+    reference's central differences (float64), which exist where the third derivative does not (torch 2.14)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).to(D)
     x, u, v = torch.randn(4, 5, dtype=D), torch.randn(4, 5, dtype=D), torch.randn(4, 3, dtype=D)
@@ -147,10 +149,38 @@ def test_batch_norm_second_derivative_is_exact_or_torchs_clear_error():
         (gx,) = torch.autograd.grad((net(xx) * v).sum(), xx, create_graph=True)
         return gx.pow(2).sum()
 
-    got, want = _hessian_times_ones(lambda: jvpreg.jvp(net, (x,), (u,))[1].pow(2).sum(), params)
+    def penalty():
+        return jvpreg.jvp(net, (x,), (u,))[1].pow(2).sum()
+
+    got, want = _hessian_times_ones(penalty, params)
     torch_got, torch_want = _hessian_times_ones(double_backprop, params)
     assert (got is None) == (torch_got is None), "jvpreg and torch disagree on whether the derivative exists"
-    if got is None:
+    # What exists on every torch, against a reference without jvpreg: the penalty |J u|^2 by double backward, its
+    # first and second derivatives along 1 by central differences of it (float64); jvpreg's gradient along 1 and the
+    # central differences of that gradient (``want``, what H 1 is compared with below) must agree with them.
+    def reference_at(t):
+        with torch.no_grad():
+            for p in params:
+                p.add_(t)
+        try:
+            xx = x.clone().requires_grad_()
+            y = net(xx)
+            w = torch.zeros_like(y, requires_grad=True)
+            (g,) = torch.autograd.grad(y, xx, w, create_graph=True)
+            (ju,) = torch.autograd.grad(g, w, u)
+            return ju.pow(2).sum().item()
+        finally:
+            with torch.no_grad():
+                for p in params:
+                    p.sub_(t)
+
+    assert penalty().item() == pytest.approx(reference_at(0.0), rel=1e-12)
+    h1, h2 = 1e-5, 1e-4  # second differences: h2 = 1e-3 is 2e-4 off by truncation, 1e-4 2e-6
+    along_ones = sum(g.sum() for g in torch.autograd.grad(penalty(), params)).item()
+    assert along_ones == pytest.approx((reference_at(h1) - reference_at(-h1)) / (2 * h1), rel=1e-7)
+    second = (reference_at(h2) - 2 * reference_at(0.0) + reference_at(-h2)) / h2 ** 2
+    assert sum(w.sum() for w in want).item() == pytest.approx(second, rel=1e-5)
+    if got is None:  # torch has no third derivative of batch norm (2.14, 2.15): none to compare
         return
     if _far(torch_got, torch_want):
         assert _far(got, want)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
+from conftest import count_captures, runs_engine
 from jvpreg.clone import capture
 from jvpreg.clone.sweep import mismatch
 
@@ -336,13 +337,17 @@ def test_entries_at_the_end_of_the_range_give_a_clear_error_not_an_infinite_tang
     f = lambda x: x * 0.5  # noqa: E731
     x = torch.tensor([1.0, -2.0, big], dtype=dtype)
     u = torch.tensor([0.5, 1.0, 2.0], dtype=dtype)
-    with pytest.raises(jvpreg.clone.UnsupportedOpError, match=r"x \+ s\*u overflows .* rescale the input"):
-        jvpreg.jvp(f, (x,), (u,), engine=engine)
-    with pytest.raises(jvpreg.clone.UnsupportedOpError, match="overflows"):
-        jvpreg.jvp(model, (x,), (u,), engine=engine)
+    with count_captures() as n:
+        with pytest.raises(jvpreg.clone.UnsupportedOpError, match=r"x \+ s\*u overflows .* rescale the input"):
+            jvpreg.jvp(f, (x,), (u,), engine=engine)
+        with pytest.raises(jvpreg.clone.UnsupportedOpError, match="overflows"):
+            jvpreg.jvp(model, (x,), (u,), engine=engine)
+    # raised by the choice of the scale, before any capture: no program recorded, no eager run
+    assert (n.recorded, n.refused, n.raised, n.replays, n.eager) == (0, 0, 0, 0, 0), n
     inward = -u
-    _, t = jvpreg.jvp(f, (x,), (inward,), engine=engine)
-    torch.testing.assert_close(t, inward * 0.5)
-    large = torch.tensor([1.0, -2.0, big / 2 ** 50 if dtype != torch.float16 else 1e3], dtype=dtype)
-    _, t = jvpreg.jvp(f, (large,), (u,), engine=engine)
+    with runs_engine(engine, calls=2):  # captured: the capture, then a replay of the same signature
+        _, t = jvpreg.jvp(f, (x,), (inward,), engine=engine)
+        torch.testing.assert_close(t, inward * 0.5)
+        large = torch.tensor([1.0, -2.0, big / 2 ** 50 if dtype != torch.float16 else 1e3], dtype=dtype)
+        _, t = jvpreg.jvp(f, (large,), (u,), engine=engine)
     torch.testing.assert_close(t, u * 0.5)

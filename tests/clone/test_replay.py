@@ -118,7 +118,7 @@ def test_verdicts_are_remembered_per_operator_and_arguments(grad):
 # --------------------------------------------------------------------------------- PyTorch's op database
 
 def _op_db():
-    pytest.importorskip("expecttest")  # torch.testing._internal needs it
+    import expecttest  # noqa: F401  (torch.testing._internal needs it: a dev dependency)
     from torch.testing._internal.common_methods_invocations import op_db
 
     return [o for o in op_db if D in o.supported_dtypes("cpu")]

@@ -573,11 +573,14 @@ def test_bilinear(setting):
 # ----------------------------------------------------------------------------- attention
 
 
+#: the fixed weights of :func:`_proj` (heads of width 3), drawn once: a generator made inside the function would make
+#: the captured engine refuse it (a replay would keep drawing from the generator made at capture)
+_PROJ_W = tuple(torch.randn(3, 3, generator=torch.Generator().manual_seed(100 + i), dtype=D) for i in range(3))
+
+
 def _proj(x, i):
     """A fixed linear map of the input: q, k, v all come from the batch."""
-    g = torch.Generator().manual_seed(100 + i)
-    w = torch.randn(x.shape[-1], x.shape[-1], generator=g, dtype=D)
-    return x @ w
+    return x @ _PROJ_W[i]
 
 
 def _bool_mask(L, S):
@@ -718,16 +721,21 @@ def test_attention_recomputed_operator_equals_the_composite(setting, engine, chu
     recomputes P, dS, dP in its backward (the whole batch at once, or one batch row at a time: broadcast masks and
     keys sum their chunks' gradients): the same JVP, gradients and second-order gradients as the composite. The
     first-order gradients without ``create_graph`` come from the backward's other path (no graph kept)."""
-    from jvpreg.clone import kernels
+    from jvpreg.clone import capture, kernels
+
+    from conftest import runs_engine
 
     monkeypatch.setattr(kernels, "ATTENTION_RECOMPUTE_NUMEL", 1 << 60)
-    want = _penalty_gradients(setting, engine, create_graph=create_graph)
+    with runs_engine(engine, calls=1):
+        want = _penalty_gradients(setting, engine, create_graph=create_graph)
     calls = []
     monkeypatch.setattr(kernels, "ATTENTION_RECOMPUTE_NUMEL", 0)
     monkeypatch.setattr(kernels, "ATTENTION_BACKWARD_CHUNK_NUMEL", 1 if chunked else float("inf"))
     real = kernels.attention_blocks
     monkeypatch.setattr(kernels, "attention_blocks", lambda *a: calls.append(1) or real(*a))
-    got = _penalty_gradients(setting, engine, create_graph=create_graph)
+    capture.reset()  # the thresholds are read while a program is recorded: the composite's program would replay
+    with runs_engine(engine, calls=1):  # the operator ran while the program was recorded, then in its replay
+        got = _penalty_gradients(setting, engine, create_graph=create_graph)
     assert calls, "the operator did not run"
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

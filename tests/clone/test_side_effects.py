@@ -13,7 +13,7 @@ import jvpreg
 from jvpreg.clone import JVPCaptureWarning, capture
 from jvpreg.clone.side_effects import Attributes
 from jvpreg.clone.tensor import raw
-from conftest import assert_as_plain
+from conftest import assert_as_plain, count_captures
 
 D = torch.float64
 
@@ -339,7 +339,7 @@ def test_an_object_holding_tensors_returned_by_the_forward_holds_the_plain_forwa
 
 
 def test_hugging_face_cache_returned_by_gpt2_holds_the_plain_forwards_keys():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from jvpreg.callbacks.shared import SharedForward
     from jvpreg.losses import JacobianFrobenius
 
@@ -410,12 +410,15 @@ def test_a_changed_attribute_that_the_forward_reads_recaptures(change):
     else:
         model[1].p = 0.0  # no dropout: the output is deterministic
     state = torch.get_rng_state()
-    y, t, said = _calls(model, x, u, "captured")
+    with count_captures() as n:
+        y, t, said = _calls(model, x, u, "captured")
     torch.set_rng_state(state)
     y_e, t_e = jvpreg.jvp(model, (x,), (u,), engine="eager")
     assert said == []
     torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
+    assert n.recorded == 1, f"the changed {change} was not recaptured: {n}"  # recaptured for the new value, and run
+    n.ran_programs(1)
     assert all(p.gm is not None for p in capture.programs(model).values())
 
 
@@ -564,7 +567,7 @@ def test_hugging_face_config_changed_after_a_capture_recaptures():
     """``config.output_hidden_states`` steers a Hugging Face forward; before, a replay returned the old outputs (the
     last layer's, 0.03 off). Now the call recaptures, and as Hugging Face then records the hidden states by forward
     hooks, it runs eagerly."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=32, max_position_embeddings=16)
@@ -755,14 +758,14 @@ def test_values_that_an_objects_getattr_computes_are_re_checked(kind):
     1.98, silently)."""
     from pytorch_lightning.utilities.parsing import AttributeDict
 
-    omegaconf = pytest.importorskip("omegaconf") if kind == "omegaconf" else None
+    import omegaconf
 
     class Scaled(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(6, 8)
             self.hparams = AttributeDict(temperature=1.0)
-            self.cfg = omegaconf.OmegaConf.create({"head": {"scale": 1.0}}) if omegaconf else None
+            self.cfg = omegaconf.OmegaConf.create({"head": {"scale": 1.0}}) if kind == "omegaconf" else None
 
         def forward(self, x):
             h = self.lin(x) * self.hparams.temperature * getattr(self.hparams, "extra", 1.0)

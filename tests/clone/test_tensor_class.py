@@ -31,7 +31,8 @@ def test_opt_einsum_contraction_of_a_clone_batch_is_the_exact_jvp(engine):
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.w1, self.w2 = torch.nn.Parameter(torch.randn(5, 6, dtype=d)), torch.nn.Parameter(torch.randn(6, 3, dtype=d))
+            self.w1 = torch.nn.Parameter(torch.randn(5, 6, dtype=d))
+            self.w2 = torch.nn.Parameter(torch.randn(6, 3, dtype=d))
 
         def forward(self, x):
             seen.append(infer_backend(x))

@@ -26,7 +26,7 @@ from ..dispatch import fallback
 from ..registry import register_rule
 from .. import kernels
 from ..kernels import batch_norm_tangent, group_norm_tangent
-from ..tensor import (autocast_enabled, block_delta, compiling, delta_blocks, each_block, is_clone, kept_primal,
+from ..tensor import (autocast_enabled, capturing, block_delta, compiling, delta_blocks, each_block, is_clone, kept_primal,
                       primal_block, raw, stack_blocks, tile, varies)
 
 
@@ -156,11 +156,15 @@ def _blocks_in_one_output(x, weight, bias) -> bool:
 
 
 def _batch_norm_blocks(x, w0, b0, running_mean, running_var, momentum, eps):
-    """The operator, then its running statistics copied into the module's buffers."""
+    """The operator, then its running statistics copied into the module's buffers.
+
+    Eager: written as the native kernel writes them, without bumping the buffers' version counters (``.data``), so
+    a forward of the same module earlier in the step, which saved the buffers for its backward, stays valid. While
+    capturing, a copy the tracer sees (the replay writes the buffers as :mod:`jvpreg.clone.side_effects` says)."""
     out, *_, new_mean, new_var = kernels.batch_norm_blocks(raw(x), w0, b0, running_mean, running_var, momentum, eps)
     for buffer, new in ((running_mean, new_mean), (running_var, new_var)):
         if buffer is not None:  # (no graph: neither requires grad)
-            buffer.copy_(new)
+            (buffer if capturing() else buffer.data).copy_(new)
     return out
 
 
