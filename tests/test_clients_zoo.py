@@ -14,6 +14,7 @@ The libraries are imported, not skipped: they are the ``clients`` extra of the t
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 
@@ -116,6 +117,9 @@ def check_client(name: str, mode: str) -> dict:
     client = MEAN_FLOW if name == MEAN_FLOW.name else by_name(name)
     torch.manual_seed(0)
     model = to_dtype(no_dropout(client.build()), D).train(mode == "train")
+    # the reference runs on a copy called alike: a module that caches a tensor made inside torch.func.jvp (FNO's grid
+    # embedding) would hand the capture a transform-wrapped constant (test_fno_after_torch_func_on_the_same_module)
+    ref_f, _, _ = client.call(copy.deepcopy(model), 2, D, torch.Generator().manual_seed(1))
     f, x, u = client.call(model, 2, D, torch.Generator().manual_seed(1))
     kind = REFERENCE.get(name, "torch.func")
     if mode == "train" and client.train_reference == "double_backward":
@@ -123,7 +127,7 @@ def check_client(name: str, mode: str) -> dict:
     errs = []
     with sdpa_kernel(SDPBackend.MATH), exact_hardsigmoid(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", JVPCaptureWarning)
-        want_y, want_t = _reference(kind, f, x, u)
+        want_y, want_t = _reference(kind, ref_f, x, u)
         for i in range(3):
             y, t = jvpreg.jvp(f, x, u)
             errs.append(_close(t, want_t, f"{name} {mode} call {i + 1}: tangent vs {kind}"))
@@ -153,6 +157,24 @@ def test_zoo_covers_twenty_models_from_eight_libraries_and_every_call_form():
     assert len(CLIENTS) >= 20 and len({c.library for c in CLIENTS}) >= 8
     assert {c.form for c in CLIENTS} == {"module", "partial", "lambda"}
     assert set(REFERENCE) | set(SCALE_WARNS) | {n for n, _ in EAGER} <= {c.name for c in CLIENTS}
+
+
+def test_fno_after_torch_func_on_the_same_module():
+    """neuraloperator's grid embedding caches the grid it made in the first call; made inside ``torch.func.jvp``, it
+    is a transform-wrapped tensor, which the capture refuses to hold as a constant (``_check_constants``): the
+    default engine then runs FNO eagerly, exact, with one JVPCaptureWarning naming the constant."""
+    torch.manual_seed(0)
+    model = to_dtype(by_name("fno").build(), D).eval()
+    f, x, u = by_name("fno").call(model, 2, D, torch.Generator().manual_seed(1))
+    want = torch.func.jvp(f, x, u)
+    assert torch._C._functorch.is_functorch_wrapped_tensor(model.positional_embedding._grid[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", JVPCaptureWarning)
+        for i in range(3):
+            _close(jvpreg.jvp(f, x, u)[1], want[1], f"fno after torch.func, call {i + 1}")
+    warned = [str(w.message) for w in caught if issubclass(w.category, JVPCaptureWarning)]
+    assert len(warned) == 1 and "torch.func transform inside the forward wrapped" in warned[0], warned
+    assert [p.gm is None for p in programs(model).values()] == [True]
 
 
 def test_mean_flow_tangents_reach_the_time_input():
