@@ -58,7 +58,8 @@ def test_gpu_benchmarks_dry_run_runs_every_part_and_packs_its_tables(tmp_path):
         assert f"=== {part}: rc=0 after" in log, log
     with tarfile.open(tmp_path / "gpu_tables.tar.gz") as tar:
         names = sorted(Path(n).name for n in tar.getnames() if n.endswith(".json"))
-        assert names == ["bench_capture_cpu_b32.json", "bench_train_cpu_bf16.json", "bench_train_cpu_fp32.json",
+        assert names == ["bench_capture_cpu_b32.json", "bench_meanflow_cpu.json", "bench_train_cpu_bf16.json",
+                         "bench_train_cpu_fp32.json",
                          "paper_cpu_reduced.json"]
         train = json.load(tar.extractfile("./bench_train_cpu_fp32.json"))
     assert {r["model"] for r in train["results"]} == {"resnet18", "vit", "mlp200"}

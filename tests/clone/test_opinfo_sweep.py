@@ -168,6 +168,11 @@ def test_opinfo_accelerator_path_exact_or_clear_error(op, request):
         _check_captured(op, request, whole=ACCELERATOR_QUICK)
 
 
+#: ops whose programs the capture refuses (they place data by storage offset, and a replayed program's gradient
+#: differed from the forward's: jvpreg.clone.capture._STRIDED); their calls run in eager clone mode with the reason
+STORAGE_OFFSET_OPS = {"as_strided", "as_strided_scatter"}
+
+
 def _check_captured(op, request, whole):
     """The captured sweep of one op: the quick run's QUICK_CAPTURED_SAMPLES; with --slow, all N_SAMPLES for the ops
     in ``whole`` and every SLOW_EVERY-th for the others."""
@@ -176,7 +181,10 @@ def _check_captured(op, request, whole):
     if request.config.getoption("--slow"):
         n, every = sweep.N_SAMPLES, 1 if key in whole else SLOW_EVERY
     results = sweep.run_op(op, n_samples=n, engine="captured", every=every)
-    if any(r.kind == "rule" for r in results):
+    if op.name in STORAGE_OFFSET_OPS:  # refused by the capture, by its reason: the eager runs are swept
+        assert all(r.capture.startswith("eager") for r in results if r.kind in ("rule", "fallback"))
+        assert any("places data by storage offset" in r.capture for r in results), sorted({r.capture for r in results})
+    elif any(r.kind == "rule" for r in results):
         assert any(r.capture == "captured" for r in results if r.kind in ("rule", "fallback")), \
             f"{key}: no case was captured: {sorted({r.capture for r in results})}"
     check_results(key, op, results, whole=n == sweep.N_SAMPLES and every == 1,
