@@ -31,7 +31,7 @@ mkdir -p "$out"
 
 if [ $dry = 1 ]; then  # this CPU: tiny batches, one round, limits scaled up for a slow shared CPU
     dev=cpu; slower=5; repeats=1; rounds=1; jvp_size="--batch-size 1 --warmup 1"; paper="--batch-size 1 --image-size 32"
-    train_models="resnet18:2 vit:2 mlp200:8"; paper_models="--models rnn,unet,resnet50"
+    train_models="resnet18:8 vit:2 mlp200:8"; paper_models="--models rnn,unet,resnet50"  # 8: row_subset=0.25 keeps 2 rows for BatchNorm
 else
     python - <<'EOF' || { echo "gpu_benchmarks.sh: torch sees no CUDA device (use --dry-run on a CPU)" >&2; exit 2; }
 import torch, sys
