@@ -276,3 +276,19 @@ def test_timm_and_hugging_face_checkpoints_are_rebuilt_from_their_stored_config(
     lit, run_config = load_checkpoint(result["paths"]["best_checkpoint"])
     assert run_config["model"]["_target_"] in checkpoints.MODEL_TARGETS
     assert lit.net(torch.rand(2, 1, 8, 8)).shape == (2, 10)
+
+
+def test_a_mean_flow_run_resumes_weights_only(tmp_path, ckpt):
+    """``experiment=digits_meanflow ckpt_path=...`` resumes through the same check (before: ckpt_path was ignored)."""
+    from jvpreg.generative.run import train_generative
+
+    marker = tmp_path / "ran"
+    bad = write(tmp_path / "payload.ckpt", {**real(ckpt), "extra": Payload(marker)})
+    tmp = str(tmp_path)
+    with initialize_config_module("jvpreg.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.root_dir={tmp}", f"paths.work_dir={tmp}", f"paths.output_dir={tmp}/o",
+                                          "experiment=digits_meanflow", "logger=none", "model.depth=1",
+                                          f"ckpt_path={bad}"])
+    with pytest.raises(UnsafeCheckpointError, match=r"jvpreg-train: refused to open .*payload\.ckpt"):
+        train_generative(cfg)
+    assert not marker.exists()

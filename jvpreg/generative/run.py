@@ -54,7 +54,11 @@ def train_generative(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     for lg in loggers:
         lg.log_hyperparams(run_config)
     t_fit = time.perf_counter()
-    trainer.fit(lit, datamodule=datamodule)
+    from jvpreg.checkpoints import lightning_loading
+
+    # resume (ckpt_path=...) read as jvpreg-train reads it: weights only, unless trust_checkpoint=true
+    with lightning_loading(cfg.get("ckpt_path"), what="jvpreg-train", trust=bool(cfg.get("trust_checkpoint"))) as wo:
+        trainer.fit(lit, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=wo)
     fit_s = time.perf_counter() - t_fit
 
     # samples from fixed noise, per_class of each label, 1 and 2 steps (and more if configured)
