@@ -206,7 +206,17 @@ def _holds_unseen(obj: Any) -> bool:
     fields = getattr(obj, "__dict__", None)
     if not isinstance(fields, dict):
         return False
-    return any(isinstance(v, (nn.Module, torch.Tensor)) for v in fields.values())
+    return any(_holds_tensor(v, 2) for v in fields.values())
+
+
+def _holds_tensor(value: Any, depth: int) -> bool:
+    """A module or tensor in ``value`` or in the lists, tuples and dicts it holds (``depth`` levels down)."""
+    if isinstance(value, (nn.Module, torch.Tensor)):
+        return True
+    if depth <= 0 or not isinstance(value, (list, tuple, dict)):
+        return False
+    items = value.values() if isinstance(value, dict) else value
+    return any(_holds_tensor(v, depth - 1) for v in list(items)[:256])
 
 
 _HOLDERS: Dict[Tuple[int, ...], "Holder"] = {}

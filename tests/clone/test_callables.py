@@ -222,3 +222,24 @@ def test_a_rule_registered_after_a_capture_records_the_program_again():
         HANDLERS[torch.tanh] = old
     _check(f, (x,), (u,), engine="captured")
     assert len(_programs(holder)) == 3
+
+
+class Bank:
+    """A plain object whose tensors sit in a list field: passed by identity they would be baked into the program."""
+
+    def __init__(self, t):
+        self.items = [t]
+
+    def __call__(self, z):
+        return torch.tanh(z) * self.items[0]
+
+
+def test_an_object_holding_tensors_in_a_container_runs_eagerly_and_sees_replaced_tensors():
+    z, _, _, v, _ = _data()
+    bank = Bank(torch.ones(6, dtype=D))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", capture.JVPCaptureWarning)
+        for scale in (1.0, 2.0, 3.0):  # the tensor in the list is replaced between calls
+            bank.items[0] = torch.full((6,), scale, dtype=D)
+            _check(bank, (z,), (v,), engine="captured")
+    assert "Bank" in callables.take_apart(bank).reason
