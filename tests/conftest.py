@@ -191,14 +191,15 @@ def runs_engine(engine: str, calls: int, refused: str = "", signatures: int = 1)
             yield counts
         counts.ran_engine(engine, calls, signatures)
         return
-    said = capture._WARNED, api._WARNED_UNCAPTURED
-    capture._WARNED, api._WARNED_UNCAPTURED = set(), set()
+    said = set(capture._WARNED)
+    capture._WARNED.clear()
     try:
         with warnings.catch_warnings(record=True) as seen, count_captures() as counts:
             warnings.simplefilter("always")
             yield counts
     finally:
-        capture._WARNED, api._WARNED_UNCAPTURED = said
+        capture._WARNED.clear()
+        capture._WARNED.update(said)
     counts.refused_with(refused, calls)
     assert any(issubclass(w.category, capture.JVPCaptureWarning) and refused in str(w.message) for w in seen), (
         f"no JVPCaptureWarning that says {refused!r}: {[str(w.message)[:200] for w in seen]}")

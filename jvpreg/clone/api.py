@@ -523,19 +523,14 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
         return _jvp_body(target, primals, tans, s, has_aux, batched_tangents, where)
 
 
-_WARNED_UNCAPTURED: set = set()
-
-
 def _warn_uncaptured(func: Callable, reason: str) -> None:
     """One :class:`JVPCaptureWarning` per callable kind and reason: it runs eagerly (exact, slower)."""
     name = getattr(func, "__qualname__", None) or type(func).__name__
-    if (name, reason) in _WARNED_UNCAPTURED:
-        return
-    _WARNED_UNCAPTURED.add((name, reason))
-    warnings.warn(f"jvpreg.jvp: {name} runs in eager clone mode (exact, but slower) because it cannot be captured: "
-                  f"{reason}. Pass the model itself (an nn.Module), or a partial or lambda of it whose other values "
-                  "are tensors, plain values or containers of them; engine='eager' silences this warning.",
-                  capture.JVPCaptureWarning, stacklevel=3)
+    capture.warn_once((name, reason),
+                      f"jvpreg.jvp: {name} runs in eager clone mode (exact, but slower) because it cannot be captured: "
+                      f"{reason}. Pass the model itself (an nn.Module), or a partial or lambda of it whose other values "
+                      "are tensors, plain values or containers of them; engine='eager' silences this warning.",
+                      stacklevel=4)
 
 
 def _program_scales(primals: Sequence[torch.Tensor], tans: Sequence[torch.Tensor], k: int) -> torch.Tensor:

@@ -165,18 +165,16 @@ def graphed_options(device_type: str) -> Dict[str, Any]:
     ``engine="compiled"`` compiles it, with one :class:`JVPCaptureWarning`."""
     if device_type == "cuda":
         return {"triton.cudagraphs": True}
-    _warn_once(("graphed", device_type), f"jvpreg: engine='graphed' replays CUDA graphs, which need CUDA tensors; "
-                                         f"these are on {device_type}: compiled without graphs (engine='compiled').")
+    warn_once(("graphed", device_type), f"jvpreg: engine='graphed' replays CUDA graphs, which need CUDA tensors; "
+                                        f"these are on {device_type}: compiled without graphs (engine='compiled').")
     return inductor_options("cpu" if device_type == "cpu" else "accelerator")
 
 
-_WARNED_ONCE: set = set()
-
-
-def _warn_once(key: Any, message: str) -> None:
-    if key not in _WARNED_ONCE:
-        _WARNED_ONCE.add(key)
-        warnings.warn(message, JVPCaptureWarning, stacklevel=4)
+def warn_once(key: Any, message: str, stacklevel: int = 4) -> None:
+    """One :class:`JVPCaptureWarning` per ``key`` in a process (what runs eagerly, and why)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, JVPCaptureWarning, stacklevel=stacklevel)
 
 
 class CaptureError(RuntimeError):
@@ -887,14 +885,9 @@ def _rebuild(prog: _Program, outs: List[torch.Tensor]) -> Any:
 
 
 def _warn_eager(module: nn.Module, reason: str) -> None:
-    key = (type(module).__qualname__, reason)
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    warnings.warn(
-        f"jvpreg: the clone forward of {type(module).__name__} runs in eager clone mode (exact, but slower) "
-        f"because it cannot be captured: {reason}. Pass engine='eager' to silence this warning.",
-        JVPCaptureWarning, stacklevel=5)
+    warn_once((type(module).__qualname__, reason),
+              f"jvpreg: the clone forward of {type(module).__name__} runs in eager clone mode (exact, but slower) "
+              f"because it cannot be captured: {reason}. Pass engine='eager' to silence this warning.", stacklevel=6)
 
 
 def _run_eager(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, reason: str, engine: str) -> Any:

@@ -23,14 +23,14 @@ def test_graphs_are_asked_for_on_cuda_only():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert capture.graphed_options("cpu") == capture.inductor_options("cpu")
-    assert any("need CUDA tensors" in str(w.message) for w in seen) or ("graphed", "cpu") in capture._WARNED_ONCE
+    assert any("need CUDA tensors" in str(w.message) for w in seen) or ("graphed", "cpu") in capture._WARNED
 
 
 @pytest.mark.slow
 def test_graphed_engine_on_the_cpu_is_the_compiled_program_with_one_warning():
     net = _net().double()
     x, u = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
-    capture._WARNED_ONCE.discard(("graphed", "cpu"))
+    capture._WARNED.discard(("graphed", "cpu"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(3):
