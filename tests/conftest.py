@@ -182,7 +182,7 @@ def runs_engine(engine: str, calls: int, refused: str = "", signatures: int = 1)
     warning is said once per process). Yields the :class:`CaptureCounts`; a body that raises asserts nothing."""
     import warnings
 
-    from jvpreg.clone import api, capture
+    from jvpreg.clone import capture
 
     if engine == "auto":
         capture.reset()
