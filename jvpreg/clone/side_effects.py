@@ -122,9 +122,13 @@ def _same(old: Any, new: Any) -> bool:
         return True
     if isinstance(old, _Items):
         return old == new
-    if type(old) is tuple and type(new) is tuple:
+    if _plain_tuple(old) and _plain_tuple(new):  # named tuples too: their == is the tuple's
         return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new))
     return type(old) is type(new) and type(old) in _PLAIN and old == new  # never a user class's __eq__
+
+
+def _plain_tuple(value: Any) -> bool:
+    return isinstance(value, tuple) and type(value).__eq__ is tuple.__eq__
 
 
 _RNN_CACHES = frozenset({"_flat_weights", "_flat_weight_refs"})
