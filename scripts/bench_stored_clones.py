@@ -1,6 +1,6 @@
 """What finding the clone batches a forward stores on its modules costs, searched afterwards vs noted when stored.
 
-jvpreg.clone.stored_clones searches the modules an eager clone forward ran once it ends; before 8698377 it noted
+jvpreg.clone.eager.stored_clones searches the modules an eager clone forward ran once it ends; before 8698377 it noted
 stores by assigning ``nn.Module.__setattr__`` around every clone forward, replayed ones included. This script
 measures, on this machine, in one process:
 
@@ -27,7 +27,7 @@ from torch import nn
 
 from jvpreg.bench.timing import machine_description
 from jvpreg.bench.train import Step, build
-from jvpreg.clone import functions, stored_clones
+from jvpreg.clone.eager import functions, stored_clones
 
 
 def per_call_us(fn: Callable[[], None], n: int = 300) -> float:

@@ -1,7 +1,7 @@
 """Regularized training of a text classifier on batches padded to their longest sequence (dynamic padding).
 
 Each padded length is a call signature of its own for the captured engine (a program per length, up to
-``jvpreg.clone.capture.MAX_PROGRAMS`` per module, then eager clone mode with one warning). This script trains a small
+``jvpreg.clone.program.capture.MAX_PROGRAMS`` per module, then eager clone mode with one warning). This script trains a small
 Hugging Face BERT (random weights, 2 layers, dim 64) with a ``JacobianRegularizer`` in Lightning on token sequences of
 random lengths, unpadded lengths or padded to a multiple, with each engine and without the regularizer, every run in a
 fresh process, and reports the time of each epoch (the first holds the captures), the programs recorded and the
@@ -34,7 +34,8 @@ def run_one(engine: str, epochs: int, pad: int, batch: int) -> dict:
     from transformers import BertConfig, BertModel
 
     from jvpreg.callbacks import JacobianRegularizer
-    from jvpreg.clone import JVPCaptureWarning, capture
+    from jvpreg.clone import JVPCaptureWarning
+    from jvpreg.clone.program import capture
 
     torch.set_num_threads(1)
 

@@ -2,7 +2,7 @@
 
 Writes ``docs/model_zoo.md`` and ``.json``: per model, the relative error ``||t - t_ref|| / ||t_ref||`` of the eager
 and the captured engine, and of the captured engine on the accelerator's code path
-(:func:`jvpreg.clone.device_paths.accelerator_path`, with a regularized step's gradients against the host path's),
+(:func:`jvpreg.clone.core.device_paths.accelerator_path`, with a regularized step's gradients against the host path's),
 the ops that took the exact fallback, and why a model could not be captured.
 
 * Input: batch 2 at 64x64 where the architecture takes ``img_size``, else batch 1 at its own input size; Hugging
@@ -233,7 +233,7 @@ def check_one(source: str, name: str) -> dict:
     import torch
 
     import jvpreg
-    from jvpreg.clone.device_paths import accelerator_path
+    from jvpreg.clone.core.device_paths import accelerator_path
 
     torch.manual_seed(0)
     row = {"source": source, "model": name}
@@ -359,10 +359,10 @@ def _regularized_grads(f, x, engine: str) -> dict:
 
 def accelerator_step(model, call, x) -> float:
     """A regularized training step of the captured engine on the accelerator's path
-    (:func:`jvpreg.clone.device_paths.accelerator_path`: scales as kernels, non-finite fixes kept, BatchNorm's device
+    (:func:`jvpreg.clone.core.device_paths.accelerator_path`: scales as kernels, non-finite fixes kept, BatchNorm's device
     forms) against the same step on the host's path, in float64: the largest gradient difference over the largest
     gradient (``inf`` if the gradients are of other parameters or the step fails on one path only)."""
-    from jvpreg.clone.device_paths import accelerator_path
+    from jvpreg.clone.core.device_paths import accelerator_path
 
     x = _two_samples(x)
     grads = []
@@ -446,8 +446,8 @@ def checkpointing(source: str, model, call, x) -> tuple:
 def _captured_regions(f) -> str:
     """How the captured engine ran a checkpointed model: the regions its programs replay through checkpoint, or why
     it ran eagerly."""
-    from jvpreg.clone import capture
-    from jvpreg.clone.checkpointed_regions import CheckpointedRegion
+    from jvpreg.clone.program import capture
+    from jvpreg.clone.program.checkpointed_regions import CheckpointedRegion
 
     progs = list(capture.programs(f).values())
     reasons = sorted({p.reason for p in progs if p.gm is None})
@@ -509,7 +509,7 @@ def to_markdown(rows: list, command: str) -> str:
         "the captured engine, each against its own step without it: the largest gradient difference over the largest "
         "gradient (part of the verdict), and how many checkpointed regions the captured programs replay through "
         "`torch.utils.checkpoint` (or why that engine ran eagerly). *accelerator path*: the captured engine on the "
-        "code path a GPU takes (`jvpreg.clone.device_paths.accelerator_path`: scales chosen by kernels in the "
+        "code path a GPU takes (`jvpreg.clone.core.device_paths.accelerator_path`: scales chosen by kernels in the "
         "program, no value read by the host, the non-finite fixes kept where an infinity can reach, BatchNorm's "
         "device forms), run on the CPU: the JVP's error in float64 throughout, and a regularized training step's "
         "largest gradient difference from the host path's over the largest gradient (both part of the verdict).",

@@ -31,7 +31,7 @@ from jvpreg.bench import report
 from jvpreg.bench import train as bench_train
 from jvpreg.bench.capture import SUITES
 from jvpreg.bench.timing import machine_description
-from jvpreg.clone import kernels as jvp_kernels
+from jvpreg.clone.rules import kernels as jvp_kernels
 
 META = torch.device("meta")
 #: ops that launch no kernel: views, allocations, a Python scalar wrapped as a CPU tensor, profiler markers

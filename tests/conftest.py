@@ -74,7 +74,7 @@ def reference_jvp(f, x: torch.Tensor, u: torch.Tensor):
 
 @dataclass
 class CaptureCounts:
-    """What :mod:`jvpreg.clone.capture` did inside :func:`count_captures`: ``recorded`` programs (a capture that
+    """What :mod:`jvpreg.clone.program.capture` did inside :func:`count_captures`: ``recorded`` programs (a capture that
     gave a program), ``refused`` captures (a capture attempt that gave a program-less record: eager clone mode, with
     its reason), ``replays`` (calls that ran a recorded program, compiled or not) and ``eager`` (calls of the
     captured/compiled/auto engines that ran in eager clone mode for a reason: a refused capture, a hook, too many
@@ -108,7 +108,7 @@ class CaptureCounts:
         if engine == "eager":
             assert self.recorded == self.refused == self.replays == self.eager == 0 and not self.uncaptured, self
         elif engine == "auto":
-            from jvpreg.clone import capture
+            from jvpreg.clone.program import capture
 
             first = signatures * capture.EAGER_CALLS_BEFORE_CAPTURE
             assert self.replays == calls - first and self.eager == 0 and not self.uncaptured, (
@@ -131,7 +131,8 @@ def count_captures():
     """Count, in a :class:`CaptureCounts`, the captures, replays and eager runs of the captured engine inside the
     ``with``. Counts ``capture._capture`` (every recording), ``capture._rebuild`` (every replay) and
     ``capture._run_eager`` by wrapping them in the module (``capture._call`` looks them up there on each call)."""
-    from jvpreg.clone import callables, capture
+    from jvpreg.clone import callables
+    from jvpreg.clone.program import capture
 
     counts = CaptureCounts()
     record, rebuild, run_eager = capture._capture, capture._rebuild, capture._run_eager
@@ -182,7 +183,7 @@ def runs_engine(engine: str, calls: int, refused: str = "", signatures: int = 1)
     warning is said once per process). Yields the :class:`CaptureCounts`; a body that raises asserts nothing."""
     import warnings
 
-    from jvpreg.clone import capture
+    from jvpreg.clone.program import capture
 
     if engine == "auto":
         capture.reset()
@@ -218,7 +219,7 @@ def sinh_rule_with_a_detached_slope(func, args, kwargs):
     the second-order term (what the sweep's gradient check must catch)."""
     from torch._C import DisableTorchFunctionSubclass
 
-    from jvpreg.clone.tensor import stack_blocks, wrap
+    from jvpreg.clone.core.tensor import stack_blocks, wrap
 
     with DisableTorchFunctionSubclass():
         z = args[0].as_subclass(torch.Tensor)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from conftest import load_script
-from jvpreg.clone import functions, stored_clones
+from jvpreg.clone.eager import functions, stored_clones
 
 
 def test_the_benchmark_measures_both_ways_and_leaves_the_engine_as_it_found_it(tmp_path):

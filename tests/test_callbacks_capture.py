@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jvpreg.callbacks import JacobianRegularizer, TangentPropRegularizer
-from jvpreg.clone import capture
+from jvpreg.clone.program import capture
 
 from test_callbacks import GradCapture, Lit, cnn_bn, make_trainer
 

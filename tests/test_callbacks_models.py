@@ -80,7 +80,7 @@ def test_hf_vit_gradient_with_output_key_matches_finite_differences():
     (u,), _ = twin_u(cb.penalty, x)
     ref = eager(vit)
     cap = GradCapture()
-    from jvpreg.clone import dispatch
+    from jvpreg.clone.eager import dispatch
     dispatch._WARNED.discard("torch._C._nn.cross_entropy_loss")  # the engine warns once per process
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -164,7 +164,8 @@ def test_bert_inputs_embeds_penalty_matches_torch_func():
 def test_bert_with_padding_masks_is_captured_and_equals_the_eager_engine():
     """The mask preparation reads the mask's values (``mask.all()``): guarded, one program for padded batches and
     one for full ones, every penalty equal to the eager engine's."""
-    from jvpreg.clone import JVPCaptureWarning, capture
+    from jvpreg.clone import JVPCaptureWarning
+    from jvpreg.clone.program import capture
 
     bert = tiny_bert()
     g = torch.Generator().manual_seed(0)

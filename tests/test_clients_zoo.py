@@ -37,7 +37,8 @@ import jvpreg
 from jvpreg.bench.clients import CLIENTS, MEAN_FLOW, by_name, no_dropout, to_dtype
 from jvpreg.callbacks import JacobianRegularizer
 from jvpreg.callbacks.scale_check import PenaltyScaleWarning
-from jvpreg.clone.capture import JVPCaptureWarning, programs
+from jvpreg.clone.core.errors import JVPCaptureWarning
+from jvpreg.clone.program.capture import programs
 
 D = torch.float64
 TOL = 1e-9

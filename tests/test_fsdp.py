@@ -6,7 +6,7 @@ the unsharded run's, whose gradients are averaged over the ranks as DDP averages
 float64). JVPs are also checked against ``torch.func.jvp`` in eval mode. Also: FSDP2 mixed precision
 (bf16 parameters, fp32 reduction) against a bf16 copy; the collectives of a regularized step against
 a plain one; FSDP1 (``FullyShardedDataParallel``, what Lightning's ``FSDPStrategy`` wraps with); the
-refusals. Each ``fully_shard``-ed child's forward body is captured (``jvpreg.clone.sharded_units``): its second
+refusals. Each ``fully_shard``-ed child's forward body is captured (``jvpreg.clone.program.sharded_units``): its second
 call replays, which the workers assert. One spawn per test (process start-up dominates the cost); an assertion
 failing on a rank fails the test with its message.
 """
@@ -215,7 +215,7 @@ def _check_penalty(rank: int, net_name: str, pen_name: str) -> None:
 def _assert_units_captured(sharded: nn.Module, where: str) -> None:
     """The second step replayed each fully_shard-ed child's forward body from a captured program (the root, whose
     forward calls the units between FSDP's hooks, runs eagerly)."""
-    from jvpreg.clone import capture
+    from jvpreg.clone.program import capture
 
     for name, unit in sharded.named_children():
         if isinstance(unit, fsdp.FSDPModule):

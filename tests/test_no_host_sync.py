@@ -18,7 +18,7 @@ import jvpreg
 from jvpreg.bench.capture import SUITES, _vit_small
 from jvpreg.callbacks.regularizer import JacobianRegularizer
 from jvpreg.callbacks.shared import SharedForward
-from jvpreg.clone import capture
+from jvpreg.clone.program import capture
 from jvpreg.losses import (JacobianFrobenius, JacobianSpectralNorm, JVPConstraint, ParameterSensitivity, Stack,
                            TangentProp, regularized_forward)
 

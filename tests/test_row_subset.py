@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jvpreg.callbacks import JacobianRegularizer, SharedForward
-from jvpreg.clone.tensor import raw
+from jvpreg.clone.core.tensor import raw
 from jvpreg.losses import JacobianFrobenius, JVPPenalty, Stack, regularized_forward
 from jvpreg.losses import row_subset as rs
 

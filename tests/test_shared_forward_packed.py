@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from jvpreg.callbacks import SharedForward
-from jvpreg.clone import api, capture
-from jvpreg.clone.device_paths import accelerator_path
+from jvpreg.clone import api
+from jvpreg.clone.program import capture
+from jvpreg.clone.core.device_paths import accelerator_path
 from jvpreg.losses import JacobianFrobenius, regularized_forward
 
 D = torch.float64

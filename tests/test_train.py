@@ -83,7 +83,7 @@ def test_fast_dev_run_models(tmp_path, model, extra):
 
 @pytest.mark.slow
 def test_compile_true_compiles_the_network_in_place_and_regularizes_it_on_the_compiled_engine(tmp_path):
-    from jvpreg.clone import capture
+    from jvpreg.clone.program import capture
 
     result, objects = fdr(tmp_path, "model=mlp", "regularizer=jacobian", "compile=true")
     net = objects["lit"].net

@@ -3,7 +3,7 @@
 Side by side in one process, per model: the plain forward of the B and 2B-row batches (the
 physical limit of a clone JVP is the 2B forward), ``jvpreg.jvp`` with ``engine="eager"``,
 ``"captured"`` and ``"compiled"``, the ``torch.compile``-d 2B forward (the limit for the compiled
-engine, compiled with the same Inductor options: :func:`jvpreg.clone.capture.inductor_options`), ``torch.func.jvp``, forward-mode AD, and ``torch.compile(torch.func.jvp)``. Repeats are
+engine, compiled with the same Inductor options: :func:`jvpreg.clone.program.capture.inductor_options`), ``torch.func.jvp``, forward-mode AD, and ``torch.compile(torch.func.jvp)``. Repeats are
 *interleaved* (one run of every method per round, in a fresh random order each round), so slow drifts
 of a shared machine hit every method alike and no method always runs right after the one that warmed
 its caches (``forward_B`` before ``forward_2B`` ran the same code on the same weights: a fixed order
@@ -31,13 +31,13 @@ from torch import nn
 import jvpreg
 from jvpreg.bench.report import command_line, geo_mean, load_average, md_table, steady_malloc, write_results
 from jvpreg.bench.timing import machine_description, sync
-from jvpreg.clone.capture import inductor_options
+from jvpreg.clone.program.capture import inductor_options
 
 METHODS = ("forward_B", "forward_2B", "eager", "captured", "compiled_forward_2B", "compiled",
            "torch.func.jvp", "forward_ad", "compiled_torch.func.jvp")
 #: ``compiled_forward_2B_default``: the 2B forward under ``torch.compile``'s default Inductor options (what a user's
 #: ``torch.compile(model)`` runs); ``compiled_forward_2B`` and ``compiled_torch.func.jvp`` use the compiled engine's
-#: (:func:`jvpreg.clone.capture.inductor_options`), so the ratios compare like with like.
+#: (:func:`jvpreg.clone.program.capture.inductor_options`), so the ratios compare like with like.
 OPTIONAL_METHODS = ("compiled_forward_2B_default",)
 COMPILE_METHODS = ("compiled_forward_2B", "compiled", "compiled_torch.func.jvp", "compiled_forward_2B_default")
 
@@ -105,7 +105,7 @@ def _resnet18_gn():
 
 class _SpectralConv2d(nn.Module):
     """A Fourier neural operator's spectral convolution as its reference code writes it: the retained modes written
-    into ``torch.zeros`` of the batch size (:mod:`jvpreg.clone.made_tensors`), complex weights."""
+    into ``torch.zeros`` of the batch size (:mod:`jvpreg.clone.eager.made_tensors`), complex weights."""
 
     def __init__(self, width: int, modes: int):
         super().__init__()

@@ -377,7 +377,7 @@ def engine_used(model: nn.Module, before: Dict[Any, int]) -> str:
 
 def replays(model: nn.Module) -> Dict[Any, int]:
     """Replays so far of each captured program of ``model`` (programs that run eagerly left out)."""
-    from jvpreg.clone.capture import programs
+    from jvpreg.clone.program.capture import programs
 
     return {k: p.replays for k, p in programs(model).items() if p.gm is not None}
 
@@ -422,7 +422,7 @@ def bench_one(client: Client, b: int, repeats: int, warmup: int, dtype: torch.dt
     default path ran; every method's tangent checked against jvpreg's once (relative max error)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from jvpreg.clone.capture import JVPCaptureWarning
+    from jvpreg.clone.core.errors import JVPCaptureWarning
 
     torch.manual_seed(0)
     model = to_dtype(no_dropout(client.build()), dtype).eval()

@@ -10,13 +10,13 @@ training step (zero_grad, forward, backward, SGD step) per method and writes Mar
   own code path (:class:`jvpreg.callbacks.SharedForward` armed around the model call: one forward
   of the 2B-row batch, one backward), on the default engine (captured from the second step; the warm-up
   steps take the eager one and the capture); ``clone_eager`` and
-  ``clone_compiled`` force the eager and the compiled engines (:mod:`jvpreg.clone.capture`); ``clone_graphed`` the
+  ``clone_compiled`` force the eager and the compiled engines (:mod:`jvpreg.clone.program.capture`); ``clone_graphed`` the
   compiled program replayed as CUDA graphs (``engine="graphed"``; on the CPU, the compiled one).
 * ``clone_rows50``, ``clone_rows25``: ``clone`` with tangents on a random half / quarter of the rows
   (``row_subset=0.5`` / ``0.25``, :mod:`jvpreg.losses.row_subset`): the other rows run plainly, a step runs
   ``B + b`` rows.
 * ``plain_compiled``: the plain step with the model under ``torch.compile`` (the reference for
-  ``clone_compiled``, with the compiled engine's Inductor options: :func:`jvpreg.clone.capture.inductor_options`).
+  ``clone_compiled``, with the compiled engine's Inductor options: :func:`jvpreg.clone.program.capture.inductor_options`).
 * ``double_backprop_compiled``: ``double_backprop`` through the ``torch.compile``-d model, which torch refuses
   (AOTAutograd has no double backward), so double backprop's best is the eager ``double_backprop``.
 * ``double_backprop``: Hoffman et al. 2019 (facebookresearch/jacobian_regularizer): a random unit
@@ -68,7 +68,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..callbacks.shared import SharedForward
-from ..clone.capture import inductor_options
+from jvpreg.clone.program.capture import inductor_options
 from ..losses import JacobianFrobenius
 from . import memory, report
 from .timing import machine_description, measure

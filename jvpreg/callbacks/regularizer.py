@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from ..clone.capture import ENGINES
+from jvpreg.clone.program.capture import ENGINES
 from ..losses.base import (JVPPenalty, Stack, Term, as_terms, check_choice, check_float, check_int,
                            regularized_forward)
 from ..losses.row_subset import check_rows

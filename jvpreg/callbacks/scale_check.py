@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 
 from ..clone import api as _api
-from ..clone import capture
+from jvpreg.clone.program import capture
 from ..losses import row_subset as _row_subset
 from ..losses.base import Plan, Term, prepare, subset_rows
 

@@ -6,17 +6,20 @@ module per family of nonlinear ops), ``functions`` (custom autograd.Functions), 
 (``torch.utils.checkpoint`` regions recomputed in clone mode), ``api``
 (``jvp``, ``jvp_params``, ``pack``/``call``/``unpack``, and the pieces the losses share:
 ``scales``, ``clone_of``, ``swapped_tensors``), ``capture`` (the captured and compiled engines), ``device_paths``
-(the host's path or an accelerator's, and :func:`~jvpreg.clone.device_paths.accelerator_path` to test the latter).
+(the host's path or an accelerator's, and :func:`~jvpreg.clone.core.device_paths.accelerator_path` to test the latter).
 """
-from . import structural  # noqa: F401  (registers the fast paths)
-from . import rules  # noqa: F401  (registers the rules)
-from . import checkpointing  # noqa: F401  (registers the reentrant checkpoint's rule)
-from .api import call, choose_scales, clone_of, jvp, jvp_params, pack, primal_of, scales, swapped_tensors, unpack
-from .capture import JVPCaptureWarning
-from .dispatch import JVPFallbackWarning, UnsupportedOpError, fallback_mode, set_fallback
-from .functions import register_function_rule
-from .registry import register_handler, register_rule, register_state, rule_for
-from .tensor import CloneTensor, is_clone
+from jvpreg.clone.rules import structural  # noqa: F401  (registers the fast paths)
+from jvpreg.clone import rules  # noqa: F401  (registers the rules)
+from jvpreg.clone.eager import checkpointing  # noqa: F401  (registers the reentrant checkpoint's rule)
+from jvpreg.clone.api import (call, choose_scales, clone_of, jvp, jvp_params, pack, primal_of, scales,
+    swapped_tensors, unpack)
+from jvpreg.clone.core.errors import JVPCaptureWarning
+from jvpreg.clone.core.errors import JVPFallbackWarning, UnsupportedOpError
+from jvpreg.clone.eager.dispatch import fallback_mode, set_fallback
+from jvpreg.clone.eager.functions import register_function_rule
+from jvpreg.clone.core.registry import register_handler, rule_for
+from jvpreg.clone.rules.kinds import register_rule, register_state
+from jvpreg.clone.core.tensor import CloneTensor, is_clone
 
 __all__ = [
     "CloneTensor", "JVPCaptureWarning", "JVPFallbackWarning", "UnsupportedOpError", "call", "choose_scales",

@@ -12,7 +12,7 @@ network barely depends on its input (timm's ConvMixer-768/32 at random init: |y_
 from float32's range (2^40 rms(x) ~ 1e12 rms(x) against 3e38), and a penalty's gradients through the blocks are
 divided by ``s_j`` only to be multiplied back by values of size ``s_j``. Where ``x`` holds entries so close to the
 end of its dtype's range that a block overflows (no scale gives the difference resolution there), the host raises
-:class:`~jvpreg.clone.dispatch.UnsupportedOpError` rather than return an infinite tangent (:func:`_check_blocks_fit`).
+:class:`~jvpreg.clone.eager.dispatch.UnsupportedOpError` rather than return an infinite tangent (:func:`_check_blocks_fit`).
 Nothing but rounding depends on ``R``: block values only pass through affine ops, and every
 nonlinearity reads its state from the primal block. Powers of two make the
 scaling itself exact. The scale is one number per tangent, not per sample: ops that mix samples
@@ -23,18 +23,21 @@ from __future__ import annotations
 import contextlib
 import difflib
 import math
-import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_map, tree_unflatten
 
-from . import callables, capture, functions, stored_clones
-from .compiled_code import between_graphs
-from .device_paths import on_host
-from .dispatch import UnsupportedOpError, check_not_custom_output
-from .tensor import _SWAPPED_CLONES, CloneTensor, autocast_enabled, block_delta, capturing, is_clone, wrap
+from jvpreg.clone import callables
+from jvpreg.clone.program import capture
+from jvpreg.clone.eager import functions, stored_clones
+from jvpreg.clone.eager.compiled_code import between_graphs
+from jvpreg.clone.core.device_paths import on_host
+from jvpreg.clone.core.errors import BatchWriteError, UnsupportedOpError
+from jvpreg.clone.eager.dispatch import check_not_custom_output, _rng_state, _set_rng_state
+from jvpreg.clone.core.tensor import (_SWAPPED_CLONES, CloneTensor, autocast_enabled, block_delta, capturing,
+    is_clone, wrap)
 
 _R_DEFAULT = 2.0 ** 40
 _R_HALF = 2.0 ** 2
@@ -240,7 +243,7 @@ def _scales(pairs: Sequence[tuple], k: int, scale: Any = "auto", shared: bool = 
 def checked_scales(pairs: Sequence[tuple], k: int, scale: Any = "auto") -> tuple:
     """``(s, finite)``: :func:`scales`, and whether every entry of the pairs is finite (``None`` where not known: on
     an accelerator, or with a fixed ``scale``), which a captured program's guard takes
-    (:func:`jvpreg.clone.capture.call`'s ``finite``). A CPU ``s`` may be shared by calls with the same scales: read
+    (:func:`jvpreg.clone.program.capture.call`'s ``finite``). A CPU ``s`` may be shared by calls with the same scales: read
     it, never write to it."""
     return _scales(pairs, k, scale, shared=True)
 
@@ -339,7 +342,6 @@ def _check_tangent(where: str, i: int, p: Any, t: Any, batched: bool) -> int:
     if not p.is_floating_point():
         raise TypeError(f"{where}: primals[{i}] has dtype {p.dtype}; JVPs need floating-point primals.")
     if p.layout != torch.strided:
-        from .dispatch import UnsupportedOpError
 
         raise UnsupportedOpError(f"{where}: primals[{i}] has layout {p.layout}; clone mode stacks dense blocks, so "
                                  "pass dense tensors (p.to_dense()).")
@@ -366,7 +368,7 @@ def call(func: Callable, args: Sequence[Any], kwargs: Mapping[str, Any] | None =
     The one way every entry point (``jvp``, ``jvp_params``, the losses and callbacks) runs a clone
     forward: ``"captured"`` replays a recorded aten program, ``"compiled"`` that program under
     ``torch.compile``, ``"eager"`` dispatches op by op; ``"auto"`` picks as :func:`jvp` documents.
-    ``torch.compile``-d modules and functions run their original code (see :mod:`jvpreg.clone.capture`).
+    ``torch.compile``-d modules and functions run their original code (see :mod:`jvpreg.clone.program.capture`).
     """
     engine = capture.resolve_engine(engine, func, "jvpreg.clone.call(func, args, kwargs)")
     target = capture.unwrap_compiled(func)
@@ -434,7 +436,7 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
         has_aux: ``func`` returns ``(output, aux)``; ``aux`` is returned as computed on the primal.
         batched_tangents: several tangents at once (see above); ``jvp_out`` leaves get the leading ``k``.
         scale: ``"auto"`` (see module docstring) or a fixed positive number ``s``.
-        engine: how the clone forward runs (:mod:`jvpreg.clone.capture`): ``"captured"`` records it
+        engine: how the clone forward runs (:mod:`jvpreg.clone.program.capture`): ``"captured"`` records it
             once per call signature as a plain aten program and replays it; ``"compiled"`` runs that
             program under ``torch.compile``; ``"eager"`` dispatches every op through the rules.
             ``"auto"``: ``"compiled"`` for a ``torch.compile``-d module; for other modules and callables
@@ -618,7 +620,6 @@ def _run_with_plain_prefix(module: nn.Module, primals: tuple, kwargs: dict, k: i
     residual ``x += shortcut(x)`` whose shortcut holds the perturbed weight: ResNeSt, ...), the call is
     redone from the start with the inputs as clones of zero tangent, after restoring the buffers and the
     random state, so running statistics are updated once and dropout draws the same masks."""
-    from .dispatch import BatchWriteError, _rng_state, _set_rng_state
 
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     device = next((p.device for p in primals if isinstance(p, torch.Tensor)), torch.device("cpu"))

@@ -7,7 +7,7 @@ every step, around new conditioning tensors. :func:`take_apart` splits such a ca
 * its **structure**, hashable: code objects, the names and plain values (numbers, strings, flags, dtypes) it
   closes over or reads from its globals, which modules it reaches, the keywords of a partial. Two callables of
   the same structure record the same program: the structure names the program (the ``key`` of
-  :func:`jvpreg.clone.capture.call`), so a lambda made anew at every step replays what its first instance recorded;
+  :func:`jvpreg.clone.program.capture.call`), so a lambda made anew at every step replays what its first instance recorded;
 * its **values**: the tensors, containers and other objects it closes over, binds or reads from its globals.
   They become *inputs* of the program, passed with the primals, so the capture's own guards see them as it sees
   a module's arguments (shape, dtype, device, ``requires_grad``, finiteness; containers by structure; objects by
@@ -27,7 +27,7 @@ it and says to pass the model (a module) instead.
 
 Why not Dynamo: its guards and closure handling would cover the Python around the model, but it must trace the
 clone engine's own Python too, and a clone batch reports its primal's shape, which fake tensors cannot express
-(:mod:`jvpreg.clone.capture`). Here only the *callable's* Python is taken apart, once per call; what runs inside
+(:mod:`jvpreg.clone.program.capture`). Here only the *callable's* Python is taken apart, once per call; what runs inside
 is recorded by the same tracer and guarded by the same guards as a module's forward.
 """
 from __future__ import annotations

@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from ..clone import api as _api
-from ..clone import functions as _functions
-from ..clone import capture as _capture
-from ..clone.compiled_code import between_graphs
+from jvpreg.clone.eager import functions as _functions
+from jvpreg.clone.program import capture as _capture
+from jvpreg.clone.eager.compiled_code import between_graphs
 from . import row_subset as _row_subset
 from . import sharded as _sharded
 
@@ -315,7 +315,7 @@ class Plan:
         from their unsharded values inside the forward, :func:`jvpreg.losses.sharded.swapped_unsharded`).
 
         ``watch``: the forward inside runs ``model`` itself (eager clone mode), so the clone batches it stores on its
-        modules are made their primals at the end (:mod:`jvpreg.clone.stored_clones`); ``False`` where the forward
+        modules are made their primals at the end (:mod:`jvpreg.clone.eager.stored_clones`); ``False`` where the forward
         inside is :func:`jvpreg.clone.call`, which does that for the calls it does not replay."""
         with contextlib.ExitStack() as stack:
             # a clone forward from here on: model hooks around the swapped call (FSDP2's post-forward)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..clone import api as _api
-from ..clone.compiled_code import between_graphs
+from jvpreg.clone.eager.compiled_code import between_graphs
 from .base import check_choice, check_float, check_seed
 
 __all__ = ["MeanFlowLoss", "MeanFlowOutput", "adaptive_l2", "sample_times"]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..clone import api as _api
-from ..clone.tensor import is_clone
+from jvpreg.clone.core.tensor import is_clone
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Replicate, Shard

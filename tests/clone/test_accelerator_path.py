@@ -1,4 +1,4 @@
-"""The accelerator's code path in float64: on the CPU taking it (:func:`jvpreg.clone.device_paths.accelerator_path`),
+"""The accelerator's code path in float64: on the CPU taking it (:func:`jvpreg.clone.core.device_paths.accelerator_path`),
 and on a GPU where there is one (``scripts/gpu_benchmarks.sh`` runs this file there).
 
 On a GPU the engine reads no value on the host: the scales are kernels inside the program, the non-finite fixes stay
@@ -24,8 +24,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
-from jvpreg.clone import capture, kernels
-from jvpreg.clone.device_paths import accelerator_path, on_host
+from jvpreg.clone.program import capture
+from jvpreg.clone.rules import kernels
+from jvpreg.clone.core.device_paths import accelerator_path, on_host
 from jvpreg.losses import JacobianFrobenius, ParameterSensitivity, Stack, regularized_forward
 
 D = torch.float64

@@ -702,7 +702,7 @@ def test_jvp_params_inplace_residual_into_the_plain_prefix():
 @pytest.mark.parametrize("module", [lambda: nn.LayerNorm(5), lambda: nn.GroupNorm(2, 6)], ids=["layer_norm", "group_norm"])
 def test_jvp_params_norm_weights_use_rules_not_the_fallback(module):
     """Differentiated norm weights on a plain input: the rule (xhat * dgamma + dbeta), exact, no fallback."""
-    from jvpreg.clone.dispatch import record_fallbacks
+    from jvpreg.clone.eager.dispatch import record_fallbacks
 
     torch.manual_seed(0)
     mod, x = module().double(), torch.randn(4, 6, 5, dtype=D)

@@ -142,7 +142,7 @@ def test_a_hook_on_a_batch_a_rule_computed_in_another_shape_sees_the_batch_shape
     """A rule that computes its batch as a reshape of a 2-d result (torch 2.11's linear on 3-d inputs): the hook, put
     on that 2-d base, receives and returns the gradient in the batch's ``(K, *L)`` shape, and what it returns is the
     gradient that flows on."""
-    from jvpreg.clone.tensor import raw, wrap
+    from jvpreg.clone.core.tensor import raw, wrap
 
     w = torch.randn(3, 3, dtype=D, requires_grad=True)
     xc, s = packed(torch.randn(2, 3, dtype=D))

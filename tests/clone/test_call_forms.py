@@ -1,8 +1,8 @@
 """Every call form of every op: arguments by keyword, mixed, or all by keyword, against ``torch.func.jvp``.
 
-The forms are generated from torch's own signatures (:func:`jvpreg.clone.registry.overloads`: the ATen schemas
+The forms are generated from torch's own signatures (:func:`jvpreg.clone.core.registry.overloads`: the ATen schemas
 torch's argument parser binds keywords by), on OpInfo's samples, for each op's torch function and Tensor method;
-a form torch refuses is not a case (:func:`jvpreg.clone.sweep.keyword_cases`). Each case must be exact (float64,
+a form torch refuses is not a case (:func:`op_sweep.keyword_cases`). Each case must be exact (float64,
 values and gradients) or raise a clear ``UnsupportedOpError``, as in the positional sweep (test_opinfo_sweep.py).
 """
 from __future__ import annotations
@@ -11,7 +11,8 @@ import expecttest  # noqa: F401  (torch.testing._internal needs it: a declared d
 import pytest
 import torch
 
-from jvpreg.clone import registry, sweep
+from jvpreg.clone.core import registry
+import op_sweep as sweep
 
 OPS = sweep.sweep_ops()
 
@@ -69,7 +70,7 @@ def test_the_forms_cover_the_shape_ops_by_keyword():
 
 def test_the_sweep_detects_a_binder_that_drops_keywords(monkeypatch):
     """Mutation check: with keywords passed on unbound (the engine before), the keyword forms crash the sweep."""
-    from jvpreg.clone import dispatch
+    from jvpreg.clone.eager import dispatch
 
     monkeypatch.setattr(dispatch, "bind_arguments", lambda func, args, kwargs: (args, kwargs))
     op = next(o for o in OPS if o.name == "reshape")

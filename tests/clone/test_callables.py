@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import jvpreg
-from jvpreg.clone import callables, capture
+from jvpreg.clone import callables
+from jvpreg.clone.program import capture
 
 D = torch.float64
 
@@ -201,8 +202,8 @@ def test_a_rule_registered_after_a_capture_records_the_program_again():
     """The rules a program ran are part of its key (``registry.Handlers.version``): a function captured with one rule
     is not replayed after the rule is replaced (before: the old rule's program replayed)."""
     from jvpreg.clone import register_handler
-    from jvpreg.clone.registry import HANDLERS
-    from jvpreg.clone.tensor import wrap
+    from jvpreg.clone.core.registry import HANDLERS
+    from jvpreg.clone.core.tensor import wrap
 
     x, u = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
     f = lambda z: torch.tanh(z) * z  # noqa: E731

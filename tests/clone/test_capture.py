@@ -1,4 +1,4 @@
-"""Captured clone mode (jvpreg.clone.capture): same numbers as eager clone mode, guards, fallbacks."""
+"""Captured clone mode (jvpreg.clone.program.capture): same numbers as eager clone mode, guards, fallbacks."""
 from __future__ import annotations
 
 import copy
@@ -10,8 +10,9 @@ import torchvision
 from torch import nn
 
 import jvpreg
-from jvpreg.clone import JVPCaptureWarning, capture, fallback_mode
-from jvpreg.clone.device_paths import accelerator_path
+from jvpreg.clone import JVPCaptureWarning, fallback_mode
+from jvpreg.clone.program import capture
+from jvpreg.clone.core.device_paths import accelerator_path
 from jvpreg.losses import JacobianFrobenius, Stack, TangentProp, regularized_forward
 from jvpreg.models import build_model
 from conftest import count_captures
@@ -177,7 +178,7 @@ def test_captured_penalty_gradients_equal_eager_and_torch_func(mode):
 def test_scales_chosen_by_kernels_are_recorded_in_the_jvp_program(engine):
     """On an accelerator the scales are kernels (:func:`jvpreg.clone.api.device_scales`) and a JVP's program records
     them with the rest (a compiled program fuses them): run here on the CPU taking that path
-    (:func:`jvpreg.clone.device_paths.accelerator_path`). The program then
+    (:func:`jvpreg.clone.core.device_paths.accelerator_path`). The program then
     reads ``x`` and ``u`` only (no scale input), computes ``||x||`` and ``||u||`` itself, and gives the JVP of the
     host-chosen scales and torch.func's, with tangents of sizes 1e-20 to 1e20 (scales that differ by 2^130)."""
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Activation checkpointing (``torch.utils.checkpoint``) inside a clone forward (``jvpreg.clone.checkpointing``).
+"""Activation checkpointing (``torch.utils.checkpoint``) inside a clone forward (``jvpreg.clone.eager.checkpointing``).
 
 References, in float64: the gradients of the same regularized step without checkpointing (equal to 1e-12), and the
 buffers of a plain checkpointed step (BatchNorm's running statistics, updated again by the recomputation in both).
@@ -18,8 +18,9 @@ from torch import nn
 import jvpreg
 from conftest import load_script
 from jvpreg.bench import memory
-from jvpreg.clone import JVPCaptureWarning, capture
-from jvpreg.clone.checkpointed_regions import CheckpointedRegion
+from jvpreg.clone import JVPCaptureWarning
+from jvpreg.clone.program import capture
+from jvpreg.clone.program.checkpointed_regions import CheckpointedRegion
 from jvpreg.losses import JacobianFrobenius, ParameterSensitivity, Stack, regularized_forward
 
 D = torch.float64

@@ -1,5 +1,5 @@
 """``torch.compile``-d functions called inside a clone forward run their original code
-(``jvpreg/clone/compiled_code.py``).
+(``jvpreg/clone/eager/compiled_code.py``).
 
 Reference: ``torch.func.jvp`` of the same model with the helper uncompiled, in float64.
 """
@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import jvpreg
-from jvpreg.clone import capture, functions
+from jvpreg.clone.program import capture
+from jvpreg.clone.eager import functions
 from conftest import assert_as_plain, count_captures, load_script
 
 D = torch.float64

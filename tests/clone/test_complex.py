@@ -76,7 +76,7 @@ def test_complex_intermediate_is_exact(name: str, engine: str) -> None:
 def test_linear_ops_on_complex_clones_keep_their_handlers(recwarn) -> None:
     """Shape ops, sums, FFTs, add, cat, products with a constant: no fallback (and no fallback warning) on a complex
     intermediate."""
-    from jvpreg.clone import dispatch
+    from jvpreg.clone.eager import dispatch
 
     dispatch._WARNED.clear()
     torch.manual_seed(0)

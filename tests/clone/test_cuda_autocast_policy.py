@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
-from jvpreg.clone.device_paths import accelerator_path
+from jvpreg.clone.core.device_paths import accelerator_path
 
 _FLOAT32_OPS = ("softmax.int", "log_softmax.int", "layer_norm", "group_norm", "exp", "log", "rsqrt", "softplus",
                 "logsumexp", "cumsum", "pow.Tensor_Scalar", "sum", "sum.dim_IntList")  # CUDA's autocast: float32
@@ -97,7 +97,7 @@ MODELS = {
 @pytest.mark.parametrize("engine", ["eager", "captured"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_bf16_autocast_jvp_and_its_gradients_under_cuda_policy(name, engine, path, cuda_autocast_policy):
-    """On the host's path and on the accelerator's (:func:`jvpreg.clone.device_paths.accelerator_path`), which a GPU
+    """On the host's path and on the accelerator's (:func:`jvpreg.clone.core.device_paths.accelerator_path`), which a GPU
     takes with this policy."""
     make, shape = MODELS[name]
     torch.manual_seed(0)

@@ -190,7 +190,7 @@ def test_captured_flex_attention_under_no_grad_runs_eagerly_with_its_reason():
     import warnings
 
     import jvpreg
-    from jvpreg.clone import capture
+    from jvpreg.clone.program import capture
     from torch.nn.attention import flex_attention as flex
 
     q, k, v = (torch.randn(2, 2, 8, 4, dtype=torch.float64) for _ in range(3))

@@ -358,9 +358,9 @@ def test_attention_keeps_the_value_blocks_not_the_packed_qkv_projection(engine):
 
 
 def _operators_match_primitive_autograd(model, x, tangent, monkeypatch, engine="auto", batched=False):
-    """Gradients of ||J u||^2 + sum f(x) (w.r.t. parameters and x) with jvpreg.clone.kernels' operators equal those
+    """Gradients of ||J u||^2 + sum f(x) (w.r.t. parameters and x) with jvpreg.clone.rules.kernels' operators equal those
     of the same rules with the operators switched off (autograd of aten kernels and primitive ops)."""
-    import jvpreg.clone.kernels as kernels
+    import jvpreg.clone.rules.kernels as kernels
 
     def grads():
         m = copy.deepcopy(model)
@@ -380,7 +380,7 @@ def _operators_match_primitive_autograd(model, x, tangent, monkeypatch, engine="
 
 @pytest.mark.parametrize("engine", ["eager", "captured"])
 def test_group_norm_penalty_gradients_equal_autograd_of_primitive_ops(engine, monkeypatch):
-    """GroupNorm's tangent under autograd (jvpreg.clone.kernels.group_norm_tangent, its backward written out) vs
+    """GroupNorm's tangent under autograd (jvpreg.clone.rules.kernels.group_norm_tangent, its backward written out) vs
     the same rule through primitive ops with differentiable statistics (the operator switched off)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 6, 3, padding=1), nn.GroupNorm(3, 6), nn.Tanh(), nn.Conv2d(6, 4, 3),
@@ -391,7 +391,7 @@ def test_group_norm_penalty_gradients_equal_autograd_of_primitive_ops(engine, mo
 
 @pytest.mark.parametrize("variant", ["contiguous", "channels_last", "no-affine", "two-tangents"])
 def test_batchnorm_and_relu_operators_match_primitive_autograd(variant, monkeypatch):
-    """Train-mode BatchNorm's and relu's operators (jvpreg.clone.kernels, backward written out) vs the same rules
+    """Train-mode BatchNorm's and relu's operators (jvpreg.clone.rules.kernels, backward written out) vs the same rules
     with the operators switched off (autograd of aten kernels), for the layouts and shapes a training loop meets."""
     from jvpreg.clone.rules.cpa import BOOL_MASK_NUMEL
 
@@ -411,7 +411,7 @@ def test_batchnorm_and_relu_operators_match_primitive_autograd(variant, monkeypa
 def test_large_attention_keeps_no_score_sized_tensor(engine, monkeypatch):
     """From ATTENTION_RECOMPUTE_NUMEL entries of P, the attention rule keeps its inputs only (as fused attention
     does) and recomputes P, dS and dP in the backward; the composite keeps all three. The gradients agree."""
-    from jvpreg.clone import kernels
+    from jvpreg.clone.rules import kernels
 
     torch.manual_seed(0)
     heads, length = 2, 128
@@ -449,7 +449,8 @@ def test_large_attention_keeps_no_score_sized_tensor(engine, monkeypatch):
 def test_compiled_program_runs_the_recomputing_attention_operator_from_its_threshold(monkeypatch):
     """In a program for ``engine="compiled"`` attention runs as the recomputing operator from
     COMPILED_ATTENTION_RECOMPUTE_NUMEL entries of P (the composite below): the same JVP and penalty gradients."""
-    from jvpreg.clone import capture, kernels
+    from jvpreg.clone.program import capture
+    from jvpreg.clone.rules import kernels
 
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(8, 2, batch_first=True).to(D)
@@ -483,7 +484,7 @@ _BROADCASTS = {  # q, k, v, blocks, dq, dk, mask shapes of the recomputing atten
 def _attention_operator_grads(shapes, chunk_numel, monkeypatch):
     """Output, gradients and a second-order gradient of the recomputing attention operator for inputs of
     ``shapes`` (some broadcast along the batch dim)."""
-    from jvpreg.clone import kernels
+    from jvpreg.clone.rules import kernels
 
     monkeypatch.setattr(kernels, "ATTENTION_BACKWARD_CHUNK_NUMEL", chunk_numel)
     g = torch.Generator().manual_seed(0)
@@ -512,12 +513,12 @@ def test_attention_backward_by_chunks_equals_the_whole_batch(shapes, monkeypatch
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("present", ["blocks,dq,dk", "blocks", "dq,dk", "dq", "dk", "blocks,dk"])
 def test_attention_written_out_backward_equals_autograd_of_the_recomputed_attention(present, causal, mask, k_blocks):
-    """The operator's first-order backward (written out, :func:`jvpreg.clone.kernels._attention_grads`) against
+    """The operator's first-order backward (written out, :func:`jvpreg.clone.rules.kernels._attention_grads`) against
     autograd of the attention it recomputes, in float64, for every input the rule may pass or leave out: value
     blocks or a constant value, query and key tangents, no mask, a boolean one (one row fully masked: ``P`` 0 there)
     or an additive one that requires grad (a learned position bias), causal or not, one or two tangents, a query
     and a mask of batch 1 against keys of batch 3."""
-    from jvpreg.clone import kernels
+    from jvpreg.clone.rules import kernels
 
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, dtype=D, generator=g).requires_grad_()  # noqa: E731
@@ -549,7 +550,7 @@ def test_attention_written_out_backward_equals_autograd_of_the_recomputed_attent
 def test_attention_written_out_backward_where_the_value_and_mask_set_the_batch(shapes):
     """The written-out backward where a batched value or mask (not the query and key) gives the output its batch:
     every input's gradient summed back to its own shape, equal to autograd of the recomputed attention."""
-    from jvpreg.clone import kernels
+    from jvpreg.clone.rules import kernels
 
     g = torch.Generator().manual_seed(1)
     ins = [torch.randn(*s, dtype=D, generator=g).requires_grad_() for s in shapes]
@@ -566,7 +567,7 @@ def test_attention_backward_by_chunks_lowers_the_live_peak(monkeypatch):
     """The recomputed backward keeps P, dS, dP and their gradients for one chunk of the batch at a time: a
     regularized step's live-tensor peak falls well below the whole-batch backward's."""
     from jvpreg.bench import memory
-    from jvpreg.clone import kernels
+    from jvpreg.clone.rules import kernels
 
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(16, 2, batch_first=True)
@@ -671,8 +672,9 @@ def test_check_finds_a_rule_whose_gradient_is_wrong():
     """``sweep.check`` (the README's advice for a rule of your own): "" for the engine's rule; a gradient
     difference for a rule exact in value whose slope is detached from the primal."""
     from conftest import sinh_rule_with_a_detached_slope
-    from jvpreg.clone import register_handler, sweep
-    from jvpreg.clone.registry import HANDLERS
+    from jvpreg.clone import register_handler
+    import op_sweep as sweep
+    from jvpreg.clone.core.registry import HANDLERS
 
     x = torch.randn(3, 4, dtype=torch.float64)
     assert sweep.check(torch.sinh, x) == ""

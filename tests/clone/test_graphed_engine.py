@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import jvpreg
-from jvpreg.clone import capture
+from jvpreg.clone.program import capture
 
 
 def _net():

@@ -1,4 +1,4 @@
-"""Value guards (jvpreg.clone.guards): a captured program whose Python read tensor values replays only for those values.
+"""Value guards (jvpreg.clone.program.guards): a captured program whose Python read tensor values replays only for those values.
 
 References: torch.func.jvp in float64, and the eager clone engine where torch.func cannot run the model."""
 from __future__ import annotations
@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import jvpreg
-from jvpreg.clone import JVPCaptureWarning, capture
-from jvpreg.clone.guards import same
+from jvpreg.clone import JVPCaptureWarning
+from jvpreg.clone.program import capture
+from jvpreg.clone.program.guards import same
 
 D = torch.float64
 

@@ -3,7 +3,7 @@ differences of the first-order gradient (which the other tests check against ref
 
 Rules whose tangent is a torch backward kernel inherit that kernel's double backward; LayerNorm's is exact to first
 order only (it holds the statistics fixed in its own derivative), so these products were silently wrong through
-LayerNorm (relative error 0.5) until its tangent became :func:`jvpreg.clone.kernels.layer_norm_tangent`.
+LayerNorm (relative error 0.5) until its tangent became :func:`jvpreg.clone.rules.kernels.layer_norm_tangent`.
 """
 from __future__ import annotations
 

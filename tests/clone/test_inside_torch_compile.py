@@ -6,7 +6,6 @@ Dynamo cannot trace the engine (clone tensors, the rules' Python, its own captur
 asked for (``engine="compiled"`` still compiles its own program). Before, every such call failed inside Dynamo
 ("Attempt to trace forbidden callable", "__get__ was called on a clone batch outside a clone forward").
 """
-import copy
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jvpreg
-from jvpreg.clone import capture
+from jvpreg.clone.program import capture
 from jvpreg.losses import JacobianFrobenius, ParameterSensitivity, Stack, TangentProp, regularized_forward
 
 D = torch.float64

@@ -1,4 +1,4 @@
-"""The operators of :mod:`jvpreg.clone.kernels`: values and written-out backwards against autograd in float64."""
+"""The operators of :mod:`jvpreg.clone.rules.kernels`: values and written-out backwards against autograd in float64."""
 from __future__ import annotations
 
 import copy
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from jvpreg.clone import kernels
+from jvpreg.clone.rules import kernels
 
 D = torch.float64
 EPS = 1e-5
@@ -24,7 +24,7 @@ def _cuda_bn_backward(grad, x, weight, *rest):
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-kernel", "cuda-kernel-contract"])
 def bn_kernel(request, monkeypatch):
     """Run a test with torch's BatchNorm backward kernel as this CPU has it, and as CUDA's behaves, with the
-    backward's form each device takes (:func:`jvpreg.clone.kernels.few_launches`)."""
+    backward's form each device takes (:func:`jvpreg.clone.rules.kernels.few_launches`)."""
     if request.param == "cuda":
         monkeypatch.setattr(kernels, "_bn_backward", _cuda_bn_backward)
         monkeypatch.setattr(kernels, "few_launches", lambda t: True)
@@ -153,7 +153,7 @@ def test_batch_norm_blocks_primal_and_running_statistics_are_the_plain_forwards(
 
 
 def test_batch_norm_relu_blocks_equals_the_two_operators():
-    """The fused operator (:mod:`jvpreg.clone.passes` puts it where a relu alone reads a BatchNorm): the same blocks,
+    """The fused operator (:mod:`jvpreg.clone.program.passes` puts it where a relu alone reads a BatchNorm): the same blocks,
     pattern and gradients as ``relu_blocks(batch_norm_blocks(z)[0])``, a NaN primal entry passed as relu does."""
     torch.manual_seed(0)
     z = torch.randn(2, 6, 3, 4, 4, dtype=D)
@@ -330,12 +330,10 @@ def test_direct_entries_cover_every_operator_and_match_it_bitwise():
 def test_operators_apply_under_autograd_and_in_programs_compiled_for_the_cpu_only(monkeypatch):
     """Compiled programs call the operators on the CPU (Inductor's bool-mask stores are slow there); on other
     devices they leave the decomposed rules to Inductor's fusion."""
-    from jvpreg.clone import tensor
-
     cpu, meta = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True, device="meta")
     assert kernels.applies(cpu) and kernels.applies(meta)
     assert not kernels.applies(torch.ones(3))  # no graph to differentiate
     with torch.no_grad():
         assert not kernels.applies(cpu)
-    monkeypatch.setattr(tensor, "compiling", lambda: True)  # a capture for engine="compiled"
+    monkeypatch.setattr(kernels, "compiling", lambda: True)  # a capture for engine="compiled"
     assert kernels.applies(cpu) and not kernels.applies(meta)

@@ -1,12 +1,12 @@
-"""Batch data written into tensors a forward makes from sizes alone (jvpreg.clone.made_tensors), against
+"""Batch data written into tensors a forward makes from sizes alone (jvpreg.clone.eager.made_tensors), against
 torch.func.jvp in float64; the refusals keep BatchWriteError."""
 import pytest
 import torch
 import torch.nn as nn
 
 import jvpreg
-from jvpreg.clone import made_tensors
-from jvpreg.clone.dispatch import BatchWriteError
+from jvpreg.clone.eager import made_tensors
+from jvpreg.clone.core.errors import BatchWriteError
 from conftest import assert_as_plain
 
 DT = torch.float64

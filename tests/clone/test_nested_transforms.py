@@ -1,4 +1,4 @@
-"""``torch.func`` transforms inside a model's forward (:mod:`jvpreg.clone.nested_transforms`): exact or a clear error.
+"""``torch.func`` transforms inside a model's forward (:mod:`jvpreg.clone.eager.nested_transforms`): exact or a clear error.
 
 functorch wraps a transform's inputs in C++, where a clone batch lost its subclass: a per-sample ``vmap`` gave a JVP
 0.59 off and an input-gradient feature 0.61 off, silently. References: ``torch.func.jvp`` in float64.

@@ -1,6 +1,6 @@
 """Non-finite primal values in the difference form: -inf masks as transformers write them.
 
-Convention (``jvpreg.clone.tensor.block_delta``): an infinity shared by every block is a constant with
+Convention (``jvpreg.clone.core.tensor.block_delta``): an infinity shared by every block is a constant with
 zero tangent, never ``inf - inf = NaN``; tangents at finite outputs are exact, at non-finite outputs 0
 or NaN. Each pattern is compared with ``torch.func.jvp`` in float64.
 """
@@ -17,8 +17,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
 from conftest import count_captures, runs_engine
-from jvpreg.clone import capture
-from jvpreg.clone.sweep import mismatch
+from jvpreg.clone.program import capture
+from op_sweep import mismatch
 
 D = torch.float64
 INF = float("inf")
@@ -240,7 +240,7 @@ def test_float32_program_keeps_no_fix(autocast):
 def test_sdpa_fully_masked_row_penalty_gradient_is_finite_and_exact(monkeypatch, recompute):
     """Under autograd (a penalty's backward), both attention paths (P kept, or recomputed in the backward) give 0 on
     a query whose keys are all masked, and the gradient of ||J u||^2 equals torch's double-backward reference."""
-    from jvpreg.clone import kernels
+    from jvpreg.clone.rules import kernels
 
     monkeypatch.setattr(kernels, "ATTENTION_RECOMPUTE_NUMEL", 1 if recompute else 1 << 60)
     mask = ~causal(5) & (torch.arange(5) > 0)[:, None]
@@ -265,7 +265,7 @@ def test_the_fix_without_gradients_gives_the_values_of_the_fix_with_them():
     """``block_delta``'s two forms (``isnan(d) & (z == a)`` where a gradient flows, ``z == a`` alone where none does,
     two kernels fewer) on every kind of entry: equal and different finite ones, signed zeros, shared and opposite
     infinities, NaNs in either block."""
-    from jvpreg.clone.tensor import block_delta
+    from jvpreg.clone.core.tensor import block_delta
 
     inf, nan = INF, float("nan")
     a = torch.tensor([1.0, 1.0, 0.0, -0.0, inf, -inf, inf, nan, 2.0, nan, 3.0], dtype=D)

@@ -1,4 +1,4 @@
-"""Never silently wrong, on PyTorch's own op database (``jvpreg/clone/sweep.py`` has the protocol).
+"""Never silently wrong, on PyTorch's own op database (``tests/op_sweep.py`` has the protocol).
 
 One test per OpInfo with a derivative (float64; reverse-mode references where torch has no forward-mode formula):
 every case must be exact (with a rule or via the exact
@@ -22,9 +22,10 @@ import torch
 import expecttest  # noqa: E402,F401  (torch.testing._internal needs it: a dev dependency)
 
 from conftest import sinh_rule_with_a_detached_slope  # noqa: E402
-from jvpreg.clone import register_handler, sweep  # noqa: E402
-from jvpreg.clone.device_paths import accelerator_path  # noqa: E402
-from jvpreg.clone.registry import HANDLERS  # noqa: E402
+from jvpreg.clone import register_handler  # noqa: E402
+import op_sweep as sweep
+from jvpreg.clone.core.device_paths import accelerator_path  # noqa: E402
+from jvpreg.clone.core.registry import HANDLERS  # noqa: E402
 
 OPS = sweep.sweep_ops()
 
@@ -152,7 +153,7 @@ def test_opinfo_captured_exact_or_clear_error(op, request):
     _check_captured(op, request, whole=QUICK_CAPTURED)
 
 
-# The accelerator's path (``jvpreg.clone.device_paths.accelerator_path``: scales chosen by kernels, the non-finite
+# The accelerator's path (``jvpreg.clone.core.device_paths.accelerator_path``: scales chosen by kernels, the non-finite
 # fixes kept where an infinity can reach, the device's BatchNorm forms), taken on the CPU. The quick run: the batch
 # norms, whose rules branch on the device; with --slow, the rule families of QUICK and every norm, the batch norms
 # on all N_SAMPLES, the others on every SLOW_EVERY-th (all 40 of all took 10 minutes).
@@ -169,7 +170,7 @@ def test_opinfo_accelerator_path_exact_or_clear_error(op, request):
 
 
 #: ops whose programs the capture refuses (they place data by storage offset, and a replayed program's gradient
-#: differed from the forward's: jvpreg.clone.capture._STRIDED); their calls run in eager clone mode with the reason
+#: differed from the forward's: jvpreg.clone.program.capture._STRIDED); their calls run in eager clone mode with the reason
 STORAGE_OFFSET_OPS = {"as_strided", "as_strided_scatter"}
 
 
@@ -192,7 +193,7 @@ def _check_captured(op, request, whole):
 
 
 # Value-shaped ops: a captured program holds the shapes its ops made, so an op whose output shape follows its
-# inputs' values (``nonzero``, ``x[mask]``, ``unique``) must be guarded (``jvpreg.clone.guards.dynamic_shapes``). Every
+# inputs' values (``nonzero``, ``x[mask]``, ``unique``) must be guarded (``jvpreg.clone.program.guards.dynamic_shapes``). Every
 # op of the database (int64 or bool where it has no float64: index and mask ops are recorded too), each sample recorded
 # on its values and on others of the same shapes (``sweep.value_shaped``). These found value-shaped ops on torch 2.15
 # (12 OpInfos, 13 aten ops) and run in the quick run, on all N_SAMPLES; with --slow, every other OpInfo on every
@@ -213,7 +214,7 @@ def test_opinfo_value_shaped_ops_are_guarded(op):
 
 def test_value_shape_sweep_detects_an_unguarded_op(monkeypatch):
     """With the capture's shape guards taken away, ``nonzero`` is reported unguarded."""
-    from jvpreg.clone import guards
+    from jvpreg.clone.program import guards
 
     op = next(o for o in sweep.value_shape_ops() if o.name == "nonzero")
     monkeypatch.setattr(guards, "dynamic_shapes", lambda graph: [])
@@ -266,7 +267,7 @@ def test_sweep_detects_a_wrong_gradient():
 
 
 # The compiled engine (the captured program under torch.compile; some rules take another form there:
-# jvpreg.clone.tensor.compiling) on a few samples of the rule families that models use: seconds per case, so slow.
+# jvpreg.clone.core.tensor.compiling) on a few samples of the rule families that models use: seconds per case, so slow.
 # Not avg_pool2d: torch.compile's lowering of its backward rejects a 1-element padding, plain torch.compile too.
 COMPILED = {"nn.functional.relu", "nn.functional.leaky_relu", "nn.functional.hardtanh", "nn.functional.gelu",
             "nn.functional.silu", "softmax", "log_softmax", "masked_fill", "nn.functional.layer_norm",
@@ -293,7 +294,7 @@ def _scaled_by_its_largest_entry(x):
 def test_captured_sweep_replays_on_other_values_and_detects_an_unguarded_read(monkeypatch):
     """The captured sweep replays each program on other values of the input: a value read by Python that the
     program replayed without its guard (here: every guard taken as holding) is a mismatch there."""
-    from jvpreg.clone import capture
+    from jvpreg.clone.program import capture
 
     x = torch.randn(3, 4, dtype=torch.float64)
     case = sweep.Case("scaled", "", 0, 0, _scaled_by_its_largest_entry, x)
@@ -316,7 +317,7 @@ def test_float32_jvps_are_as_accurate_as_torch_func(op):
 
 def test_float32_check_detects_a_fallback_along_the_scaled_tangent(monkeypatch):
     """The float32 check flags matrix_exp when the fallback differentiates along ``s u`` (its old behaviour)."""
-    from jvpreg.clone import dispatch
+    from jvpreg.clone.eager import dispatch
 
     op = next(o for o in sweep.sweep_ops() if o.name == "matrix_exp")
     assert not sweep.float32_errors(op, n_samples=2)

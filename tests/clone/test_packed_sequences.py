@@ -12,7 +12,8 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import jvpreg
-from jvpreg.clone import JVPCaptureWarning, capture
+from jvpreg.clone import JVPCaptureWarning
+from jvpreg.clone.program import capture
 
 D = torch.float64
 

@@ -1,4 +1,4 @@
-"""Graph passes over captured programs (jvpreg.clone.passes): fewer ops, the same values and gradients."""
+"""Graph passes over captured programs (jvpreg.clone.program.passes): fewer ops, the same values and gradients."""
 from __future__ import annotations
 
 import collections
@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
-from jvpreg.clone import capture, passes
+from jvpreg.clone.program import capture, passes
 
 
 @pytest.fixture(autouse=True)
@@ -555,7 +555,7 @@ def test_batch_norm_read_only_by_a_relu_is_fused(monkeypatch):
 def test_batch_norm_output_read_twice_is_not_fused():
     """Two reads of the BatchNorm output (two ``getitem`` nodes, as CSE leaves them across a write) keep the two
     operators: fusing would hand the relu'd values to the other reader."""
-    from jvpreg.clone import kernels  # noqa: F401  (registers the operators)
+    from jvpreg.clone.rules import kernels  # noqa: F401  (registers the operators)
 
     graph = torch.fx.Graph()
     z = graph.placeholder("z")

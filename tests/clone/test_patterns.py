@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import jvpreg
-from jvpreg.clone.sweep import mismatch
+from op_sweep import mismatch
 
 D = torch.float64
 C = torch.randn(6, 1, dtype=D, generator=torch.Generator().manual_seed(3))

@@ -1,4 +1,4 @@
-"""The replay function of captured programs (jvpreg.clone.replay): checked bindings, the same values and gradients."""
+"""The replay function of captured programs (jvpreg.clone.program.replay): checked bindings, the same values and gradients."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import jvpreg
-from jvpreg.clone import capture, replay
+from jvpreg.clone.program import capture, replay
 
 D = torch.float64
 aten = torch.ops.aten

@@ -721,7 +721,8 @@ def test_attention_recomputed_operator_equals_the_composite(setting, engine, chu
     recomputes P, dS, dP in its backward (the whole batch at once, or one batch row at a time: broadcast masks and
     keys sum their chunks' gradients): the same JVP, gradients and second-order gradients as the composite. The
     first-order gradients without ``create_graph`` come from the backward's other path (no graph kept)."""
-    from jvpreg.clone import capture, kernels
+    from jvpreg.clone.program import capture
+    from jvpreg.clone.rules import kernels
 
     from conftest import runs_engine
 

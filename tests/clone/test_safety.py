@@ -14,8 +14,9 @@ from torch import nn
 
 import jvpreg
 from conftest import count_captures, runs_engine
-from jvpreg.clone import dispatch, fallback_mode, set_fallback
-from jvpreg.clone.registry import HANDLERS
+from jvpreg.clone.eager import dispatch
+from jvpreg.clone import fallback_mode, set_fallback
+from jvpreg.clone.core.registry import HANDLERS
 from jvpreg.models import build_model
 from conftest import assert_as_plain
 
@@ -186,7 +187,7 @@ def test_registered_rules_for_custom_op_and_function_are_used():
         return torch.cat([out_a[None], torch.where(keep, b - lam * a.sign(), out_a)])
 
     def exp_rule(args, kwargs):
-        from jvpreg.clone.tensor import wrap
+        from jvpreg.clone.core.tensor import wrap
 
         (x,) = args
         a = x[0]
@@ -199,7 +200,7 @@ def test_registered_rules_for_custom_op_and_function_are_used():
             y, t = jvpreg.jvp(lambda x: soft_threshold(x, 0.5) + ExpOldStyle.apply(x), (X,), (U,))
     finally:
         HANDLERS.pop(op)
-        jvpreg.clone.functions.FUNCTION_RULES.pop(ExpOldStyle)
+        jvpreg.clone.eager.functions.FUNCTION_RULES.pop(ExpOldStyle)
     keep = X.abs() > 0.5
     torch.testing.assert_close(y, soft_threshold(X, 0.5) + X.exp(), rtol=1e-12, atol=0)
     torch.testing.assert_close(t, keep * U + X.exp() * U, rtol=1e-10, atol=1e-12)
@@ -737,7 +738,7 @@ SELF_ALIASED = {
 SELF_ALIASED_FALLBACK = {"pow_", "atan2_", "hypot_"}
 
 
-@pytest.mark.filterwarnings("ignore::jvpreg.clone.dispatch.JVPFallbackWarning")
+@pytest.mark.filterwarnings("ignore::jvpreg.clone.eager.dispatch.JVPFallbackWarning")
 @pytest.mark.parametrize("engine", ["eager", "captured"])
 @pytest.mark.parametrize("name", list(SELF_ALIASED))
 def test_inplace_op_on_itself_is_exact(name: str, engine: str) -> None:
@@ -775,7 +776,7 @@ def test_fallback_runs_under_warnings_as_errors() -> None:
     import sys
 
     code = ("import warnings, torch, jvpreg\n"
-            "from jvpreg.clone.dispatch import JVPFallbackWarning\n"
+            "from jvpreg.clone.eager.dispatch import JVPFallbackWarning\n"
             "warnings.filterwarnings('ignore', category=JVPFallbackWarning)\n"
             "x, u = torch.rand(3, dtype=torch.float64) + 0.5, torch.randn(3, dtype=torch.float64)\n"
             "t = jvpreg.jvp(lambda x: x.pow(x), (x,), (u,))[1]\n"

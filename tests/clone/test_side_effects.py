@@ -1,8 +1,7 @@
-"""Python state a forward changes besides its tensors (``jvpreg.clone.side_effects``): a captured program would not
+"""Python state a forward changes besides its tensors (``jvpreg.clone.program.side_effects``): a captured program would not
 change it, so such a forward runs in eager clone mode and changes it exactly as an eager call does."""
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -10,9 +9,10 @@ import torch
 from torch import nn
 
 import jvpreg
-from jvpreg.clone import JVPCaptureWarning, capture
-from jvpreg.clone.side_effects import Attributes
-from jvpreg.clone.tensor import raw
+from jvpreg.clone import JVPCaptureWarning
+from jvpreg.clone.program import capture
+from jvpreg.clone.program.side_effects import Attributes
+from jvpreg.clone.core.tensor import raw
 from conftest import assert_as_plain, count_captures
 
 D = torch.float64

@@ -1,11 +1,11 @@
-"""Tensors a forward stores on its modules (jvpreg.clone.stored_clones): their primal after the clone forward, a
+"""Tensors a forward stores on its modules (jvpreg.clone.eager.stored_clones): their primal after the clone forward, a
 constant of the next call as torch.func.jvp has it, and what a plain forward would have stored."""
 import pytest
 import torch
 import torch.nn as nn
 
 import jvpreg
-from jvpreg.clone import stored_clones
+from jvpreg.clone.eager import stored_clones
 from conftest import assert_as_plain
 
 DT = torch.float64

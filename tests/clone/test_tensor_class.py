@@ -12,7 +12,7 @@ import torch
 from conftest import assert_tree_close
 
 import jvpreg
-from jvpreg.clone.tensor import CloneTensor
+from jvpreg.clone.core.tensor import CloneTensor
 
 
 def test_clone_class_reports_torch_as_its_module():
@@ -44,4 +44,4 @@ def test_opt_einsum_contraction_of_a_clone_batch_is_the_exact_jvp(engine):
     assert seen[-1] == "torch"
     assert_tree_close(got, torch.func.jvp(net, (x,), (u,)), what=f"opt_einsum {engine}")
     if engine == "captured":
-        assert [p.gm is not None for p in jvpreg.clone.capture.programs(net).values()] == [True]
+        assert [p.gm is not None for p in jvpreg.clone.program.capture.programs(net).values()] == [True]

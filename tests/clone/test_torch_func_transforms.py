@@ -21,7 +21,8 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
-from jvpreg.clone import JVPCaptureWarning, capture
+from jvpreg.clone import JVPCaptureWarning
+from jvpreg.clone.program import capture
 
 D = torch.float64
 

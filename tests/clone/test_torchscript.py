@@ -1,4 +1,4 @@
-"""TorchScript inside a clone forward (:mod:`jvpreg.clone.torchscript`): exact, never rows-as-samples.
+"""TorchScript inside a clone forward (:mod:`jvpreg.clone.eager.torchscript`): exact, never rows-as-samples.
 
 TorchScript runs its ops in C++, where ``__torch_function__`` cannot see them: before, a scripted function in a
 model gave a JVP 0.49 off and a scripted module one 0.067 off, silently. References: ``torch.func.jvp`` of the
@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import jvpreg
-from jvpreg.clone import JVPCaptureWarning, JVPFallbackWarning, capture
+from jvpreg.clone import JVPCaptureWarning, JVPFallbackWarning
+from jvpreg.clone.program import capture
 
 D = torch.float64
 ENGINES = ["eager", "auto", "captured"]
@@ -88,7 +89,7 @@ def test_a_scripted_or_traced_module_takes_the_exact_fallback(kind, engine):
 
 
 def test_the_fallback_names_torchscript_and_the_cure(monkeypatch):
-    from jvpreg.clone import dispatch
+    from jvpreg.clone.eager import dispatch
 
     monkeypatch.setattr(dispatch, "_WARNED", set())  # said once per process: not yet in this test
     model = _mlp()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import jvpreg
-from jvpreg.clone import capture
+from jvpreg.clone.program import capture
 
 
 class FrozenMapping(OrderedDict):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 import jvpreg.clone  # noqa: F401  (registers everything)
-from jvpreg.clone.registry import HANDLERS, REENTRANT, op_name, rule_for
+from jvpreg.clone.core.registry import HANDLERS, REENTRANT, op_name, rule_for
 
 
 def registry_rows() -> list:
@@ -24,7 +24,7 @@ def registry_rows() -> list:
             kind = "rule"
         elif name == "_query" or name.endswith("_query"):
             kind = "query"
-        elif mod == "jvpreg.clone.structural":
+        elif mod == "jvpreg.clone.rules.structural":
             kind = "structural"
         else:
             kind = "engine"

@@ -5,11 +5,11 @@ With ``S = q k^T * scale + mask``, ``P = softmax(S)``, ``O = P v`` (dropout mask
     dS = (dq k^T + q dk^T) * scale (+ d mask),   dP = P * (dS - sum(P * dS)),   dO = (dP * M) v + (P * M) dv
 
 Fused kernels hide P, so the tangent is computed with explicit products (P is materialised once
-for the primal block; :func:`jvpreg.clone.kernels.linearised_attention`). Under autograd, where ``P`` is large
-(:func:`jvpreg.clone.kernels.attention_recomputed`), it runs as one operator that keeps only its inputs and
+for the primal block; :func:`jvpreg.clone.rules.kernels.linearised_attention`). Under autograd, where ``P`` is large
+(:func:`jvpreg.clone.rules.kernels.attention_recomputed`), it runs as one operator that keeps only its inputs and
 recomputes ``P``, ``dS`` and ``dP`` in the backward: no ``L x S`` tensor kept, as fused attention keeps none (and
 the recomputed ones live for a chunk of the batch at a time:
-:data:`jvpreg.clone.kernels.ATTENTION_BACKWARD_CHUNK_NUMEL`).
+:data:`jvpreg.clone.rules.kernels.ATTENTION_BACKWARD_CHUNK_NUMEL`).
 Block j of the output is ``(P M) z_j + (dP_j M) v`` with ``z_j = v + dv_j`` the value's block: one product of
 ``P M`` with every value block at once, plus ``dP_j`` times the primal value.
 ``F.multi_head_attention_forward`` is run op by op on the clone batch (its projections, reshapes
@@ -25,10 +25,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import without_torch_function_guard
-from ..registry import register_handler, register_rule
-from .. import kernels
-from ..tensor import delta_blocks, is_clone, kept_primal, primal_block, raw, storage_bytes, varies, wrap
+from jvpreg.clone.eager.dispatch import without_torch_function_guard
+from jvpreg.clone.core.registry import register_handler
+from jvpreg.clone.rules.kinds import register_rule
+from jvpreg.clone.rules import kernels
+from jvpreg.clone.core.tensor import delta_blocks, is_clone, kept_primal, primal_block, raw, storage_bytes, varies, wrap
 
 
 _primal, _delta = primal_block, delta_blocks

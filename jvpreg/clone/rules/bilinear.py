@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatch import _flat_clones, fallback, per_block, state_eval
-from ..registry import COMPLEX_AFFINE, detached_target, maybe, register_handler, register_op, write_back
-from ..structural import align, elementwise, elementwise_inplace
-from ..tensor import block_delta, is_clone, stack_blocks, tile, wrap
+from jvpreg.clone.eager.dispatch import _flat_clones, fallback, per_block, state_eval
+from jvpreg.clone.core.registry import COMPLEX_AFFINE, maybe, register_handler, register_op
+from jvpreg.clone.eager.writes import detached_target, write_back
+from jvpreg.clone.rules.structural import align, elementwise, elementwise_inplace
+from jvpreg.clone.core.tensor import block_delta, is_clone, stack_blocks, tile, wrap
 
 T = torch.Tensor
 
 
 def _varying_positions(flat, idx):
     """Positions of the clones that carry tangents (real or complex: a complex one reaches a product rule only where
-    the op is affine in it, :func:`jvpreg.clone.dispatch.complex_exact`)."""
+    the op is affine in it, :func:`jvpreg.clone.eager.dispatch.complex_exact`)."""
     return [i for i in idx if not flat[i]._jvp_state and (flat[i].is_floating_point() or flat[i].is_complex())]
 
 

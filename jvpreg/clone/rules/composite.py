@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import fallback, per_block
-from ..registry import register_op
-from ..tensor import block_delta, is_clone, stack_blocks, wrap
+from jvpreg.clone.eager.dispatch import fallback, per_block
+from jvpreg.clone.core.registry import register_op
+from jvpreg.clone.core.tensor import block_delta, is_clone, stack_blocks, tile, wrap
 
 T = torch.Tensor
 
@@ -156,7 +156,6 @@ def _frozen(x):
     penalty on the tangent."""
     from torch._C import DisableTorchFunctionSubclass
 
-    from ..tensor import tile
 
     with DisableTorchFunctionSubclass():
         p = x.as_subclass(torch.Tensor)

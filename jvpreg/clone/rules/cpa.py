@@ -21,12 +21,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import fallback
-from .. import kernels
-from ..kernels import relu_blocks
-from ..registry import COMPLEX_EXACT, maybe, register_rule
-from ..structural import align
-from ..tensor import block_delta, compiling, each_block, is_clone, kept_primal, raw, stack_blocks, tile
+from jvpreg.clone.rules import kernels
+from jvpreg.clone.rules.kernels import relu_blocks
+from jvpreg.clone.core.registry import COMPLEX_EXACT, maybe
+from jvpreg.clone.rules.kinds import register_rule
+from jvpreg.clone.rules.structural import align
+from jvpreg.clone.core.tensor import (block_delta, compiling, each_block, is_clone, kept_primal, raw, stack_blocks,
+    tile, wrap)
 
 T = torch.Tensor
 
@@ -61,12 +62,12 @@ def relu(input, inplace=False):
     ``threshold_backward(z, a, 0)``: as fast as relu on the 2B-row batch; a mask multiply is 4x slower).
 
     Under autograd, blocks of :data:`BOOL_MASK_NUMEL` elements or more go through
-    :func:`jvpreg.clone.kernels.relu_blocks`, which saves the pattern as a bool block rather than a float one
+    :func:`jvpreg.clone.rules.kernels.relu_blocks`, which saves the pattern as a bool block rather than a float one
     (the saved bytes of a relu network: 2.0x the plain forward's instead of 2.3x). Smaller blocks keep the float
     pattern: there the operator's ~25 µs of Python per call (forward and backward) would cost more than the
     ~100 KiB it saves (+9% on a 784-200-200-10 MLP's step at batch 64); in a program compiled for the CPU every
     block does (Inductor would save the pattern itself, through a slow bool store: 3.32 -> 3.02 ms for that
-    MLP's compiled step). Not where :func:`jvpreg.clone.kernels.applies` says no.
+    MLP's compiled step). Not where :func:`jvpreg.clone.rules.kernels.applies` says no.
     """
     if (input[0].numel() >= BOOL_MASK_NUMEL or compiling()) and kernels.applies(input):
         return relu_blocks(raw(input))[0]
@@ -176,7 +177,6 @@ def clamp(input, min=None, max=None):
 
 def _clamp_with_tensor_bounds(input, min, max):
     """clamp with varying tensor bounds = min(max(x, lo), hi), each piece by the maximum rule."""
-    from ..tensor import wrap
 
     out = input
     for bound, op, kw in ((min, torch.maximum, "min"), (max, torch.minimum, "max")):

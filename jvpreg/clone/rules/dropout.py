@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..registry import maybe, register_rule
+from jvpreg.clone.core.registry import maybe
+from jvpreg.clone.rules.kinds import register_rule
 
 _SELU_ALPHA = 1.7580993408473766  # -lambda * alpha of SELU, as in ATen's alpha dropout
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import fallback, per_block
-from ..registry import register_handler, register_op
-from ..tensor import block_delta, is_clone
+from jvpreg.clone.eager.dispatch import decomposition, fallback, per_block
+from jvpreg.clone.core.registry import register_handler, register_op
+from jvpreg.clone.core.tensor import block_delta, is_clone
 
 
 @register_handler(torch.embedding_renorm_)
@@ -41,7 +41,6 @@ def embedding(func, input, weight, padding_idx=None, max_norm=None, norm_type=2.
         with torch.no_grad():
             torch.embedding_renorm_(weight, input.contiguous(), max_norm, norm_type)
         max_norm = None
-    from ..dispatch import decomposition
 
     return decomposition(F.embedding)(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
 

@@ -24,8 +24,8 @@ import math
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from ..tensor import is_clone
-from .composite import def_composite
+from jvpreg.clone.core.tensor import is_clone
+from jvpreg.clone.rules.composite import def_composite
 
 try:
     import torch.nn.attention.flex_attention as _front

@@ -21,13 +21,13 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..device_paths import on_host
-from ..dispatch import fallback
-from ..registry import register_rule
-from .. import kernels
-from ..kernels import batch_norm_tangent, group_norm_tangent
-from ..tensor import (autocast_enabled, capturing, block_delta, compiling, delta_blocks, each_block, is_clone, kept_primal,
-                      primal_block, raw, stack_blocks, tile, varies)
+from jvpreg.clone.core.device_paths import on_host
+from jvpreg.clone.eager.dispatch import fallback
+from jvpreg.clone.rules.kinds import register_rule
+from jvpreg.clone.rules import kernels
+from jvpreg.clone.rules.kernels import batch_norm_tangent, group_norm_tangent
+from jvpreg.clone.core.tensor import (autocast_enabled, block_delta, capturing, compiling, delta_blocks, each_block,
+    is_clone, kept_primal, primal_block, raw, stack_blocks, tile, varies, wrap)
 
 
 _primal, _delta = primal_block, delta_blocks
@@ -45,7 +45,6 @@ def _batch_input(input, weight, bias):
     if is_clone(input):
         return input
     k = next(t.shape[0] for t in (weight, bias) if is_clone(t))
-    from ..tensor import wrap
 
     return wrap(tile(input, k), state=True)
 
@@ -142,10 +141,10 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
 
 
 def _blocks_in_one_output(x, weight, bias) -> bool:
-    """Train-mode BatchNorm through :func:`jvpreg.clone.kernels.batch_norm_blocks` (every block written into one
+    """Train-mode BatchNorm through :func:`jvpreg.clone.rules.kernels.batch_norm_blocks` (every block written into one
     output, three blocks allocated per call where the composite rule allocates seven): a clone input of
     float32/64 on the CPU with constant affine parameters, outside ``torch.func`` transforms, forward-mode AD
-    (:func:`jvpreg.clone.kernels.inside_transform`) and programs for ``engine="compiled"`` (there Inductor fuses the
+    (:func:`jvpreg.clone.rules.kernels.inside_transform`) and programs for ``engine="compiled"`` (there Inductor fuses the
     composite rule). Other devices keep the composite rule
     (cuDNN's kernel for the primal block; the operator is not measured on a GPU)."""
     if not is_clone(x) or varies(weight) or varies(bias):
@@ -160,7 +159,7 @@ def _batch_norm_blocks(x, w0, b0, running_mean, running_var, momentum, eps):
 
     Eager: written as the native kernel writes them, without bumping the buffers' version counters (``.data``), so
     a forward of the same module earlier in the step, which saved the buffers for its backward, stays valid. While
-    capturing, a copy the tracer sees (the replay writes the buffers as :mod:`jvpreg.clone.side_effects` says)."""
+    capturing, a copy the tracer sees (the replay writes the buffers as :mod:`jvpreg.clone.program.side_effects` says)."""
     out, *_, new_mean, new_var = kernels.batch_norm_blocks(raw(x), w0, b0, running_mean, running_var, momentum, eps)
     for buffer, new in ((running_mean, new_mean), (running_var, new_var)):
         if buffer is not None:  # (no graph: neither requires grad)
@@ -169,8 +168,8 @@ def _batch_norm_blocks(x, w0, b0, running_mean, running_var, momentum, eps):
 
 
 def _written_out_backward(x: torch.Tensor, a: torch.Tensor) -> bool:
-    """Use :func:`jvpreg.clone.kernels.batch_norm_tangent` (its backward written out): float32/64, where
-    :func:`jvpreg.clone.kernels.applies` (under autograd)."""
+    """Use :func:`jvpreg.clone.rules.kernels.batch_norm_tangent` (its backward written out): float32/64, where
+    :func:`jvpreg.clone.rules.kernels.applies` (under autograd)."""
     return a.dtype in (torch.float32, torch.float64) and kernels.applies(x)
 
 
@@ -227,7 +226,7 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
     """LayerNorm over the trailing ``normalized_shape`` dims, statistics of the primal block; the input tangent
     ``rstd * (d - mean(d) - xhat * mean(xhat * d))`` is ``native_layer_norm_backward`` applied to ``d_j``, under
-    autograd through :func:`jvpreg.clone.kernels.layer_norm_tangent` (torch's double backward of that kernel is
+    autograd through :func:`jvpreg.clone.rules.kernels.layer_norm_tangent` (torch's double backward of that kernel is
     exact to first order only)."""
     input = _batch_input(input, weight, bias)
     a = kept_primal(input)
@@ -267,7 +266,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args)
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *args):
     """GroupNorm: statistics over (channels of a group, spatial) of each primal sample; the input tangent
     ``rstd * (d - mean(d) - xhat * mean(xhat * d))`` is ``native_group_norm_backward`` (no weight) applied to
-    ``d_j``, times gamma; under autograd :func:`jvpreg.clone.kernels.group_norm_tangent` (that kernel has no
+    ``d_j``, times gamma; under autograd :func:`jvpreg.clone.rules.kernels.group_norm_tangent` (that kernel has no
     derivative in torch)."""
     input = _batch_input(input, weight, bias)
     a = kept_primal(input)
@@ -346,7 +345,6 @@ def _sync_batch_norm_rule(args, kwargs):
     g = rstd if w0 is None else rstd * ch(w0)
     tan = g * (d - md - xhat * mdx)
     params = affine_tangent(xhat, weight, bias, ch)
-    from ..tensor import wrap
 
     return wrap(stack_blocks(out_a, out_a + (tan if params is None else tan + params)))
 
@@ -354,7 +352,7 @@ def _sync_batch_norm_rule(args, kwargs):
 try:  # the autograd.Function behind nn.SyncBatchNorm (world size > 1)
     from torch.nn.modules._functions import SyncBatchNorm as _SyncBatchNormFunction
 
-    from ..functions import register_function_rule
+    from jvpreg.clone.eager.functions import register_function_rule
 
     register_function_rule(_SyncBatchNormFunction)(_sync_batch_norm_rule)
 except ImportError:  # pragma: no cover - very old torch

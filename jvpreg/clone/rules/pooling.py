@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import fallback
-from ..registry import maybe, register_rule
-from ..tensor import block_delta, is_clone, neg_dim, stack_blocks
-from .cpa import _extremum
+from jvpreg.clone.eager.dispatch import fallback
+from jvpreg.clone.core.registry import maybe
+from jvpreg.clone.rules.kinds import register_rule
+from jvpreg.clone.core.tensor import block_delta, is_clone, neg_dim, stack_blocks
+from jvpreg.clone.rules.cpa import _extremum
 
 T = torch.Tensor
 

@@ -22,9 +22,8 @@ import torch.nn.functional as F
 
 from torch._C import DisableTorchFunctionSubclass
 
-from ..dispatch import UnsupportedOpError
-from ..registry import register_handler, register_op
-from ..tensor import compiling, is_clone, stack_blocks, wrap
+from jvpreg.clone.core.registry import register_handler, register_op
+from jvpreg.clone.core.tensor import compiling, is_clone, stack_blocks, wrap
 
 
 def _cell(mode, x_proj, h, w_hh, b_hh, w_hr=None):

@@ -16,9 +16,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import fallback
-from ..registry import maybe, register_rule
-from ..tensor import block_delta, each_block, is_clone, kept_primal, neg_dim, stack_blocks
+from jvpreg.clone.eager.dispatch import fallback
+from jvpreg.clone.core.registry import maybe
+from jvpreg.clone.rules.kinds import register_rule
+from jvpreg.clone.core.tensor import block_delta, each_block, is_clone, kept_primal, neg_dim, stack_blocks
 
 T = torch.Tensor
 aten = torch.ops.aten

@@ -4,7 +4,7 @@ A ``fully_shard``-ed module (an FSDP *unit*) all-gathers its parameters in a for
 post-hook; those collectives are Python side effects that a replayed program cannot hold. Between the two hooks the
 unit's ``forward`` body sees its parameters as ordinary unsharded tensors (the same ``nn.Parameter`` objects on
 every step), so that body can be captured like any module. While a clone forward of a module that contains units
-runs (in eager clone mode, :func:`jvpreg.clone.capture.call`), :func:`routed` points each unit's ``forward`` at
+runs (in eager clone mode, :func:`jvpreg.clone.program.capture.call`), :func:`routed` points each unit's ``forward`` at
 :func:`_body`, which records and replays the unit's original forward with the caller's engine: the hooks run
 eagerly around it, and so do the few ops of the root that no unit holds. A unit that contains other units runs its
 own body eagerly and routes theirs. Gradients reach the unsharded parameters through ordinary autograd, which FSDP
@@ -67,15 +67,15 @@ def routed(module: nn.Module, engine: str) -> Iterator[None]:
 def _body(unit: nn.Module, forward: Any, engine: str, *args: Any, **kwargs: Any) -> Any:
     """``unit.forward(*args, **kwargs)``, captured: called between FSDP's hooks, with the unit's parameters
     unsharded."""
-    from .capture import call
+    from jvpreg.clone.program.capture import call
 
     return call(unit, args, kwargs, engine=engine, fn=forward, hooks_outside=True)
 
 
 def _post_backward_rule(args: tuple, kwargs: dict) -> tuple:
     """``RegisterPostBackwardFunction.apply(param_group, *inputs)`` (identity): applied to the physical batches."""
-    from .functions import _orig
-    from .tensor import CloneTensor, wrap
+    from jvpreg.clone.eager.functions import _orig
+    from jvpreg.clone.core.tensor import CloneTensor, wrap
 
     param_group, *inputs = args
     phys = [t.as_subclass(torch.Tensor) if type(t) is CloneTensor else t for t in inputs]
@@ -89,6 +89,6 @@ try:  # FSDP2's Function on a unit's inputs (torch >= 2.6)
 except ImportError:  # pragma: no cover - torch without FSDP2
     _RegisterPostBackward = None
 else:
-    from .functions import register_function_rule
+    from jvpreg.clone.eager.functions import register_function_rule
 
     register_function_rule(_RegisterPostBackward)(_post_backward_rule)

@@ -5,7 +5,7 @@ bookkeeping). For a given module and call signature that work is always the same
 :func:`call` runs it *once* under a tracer and keeps what reached the dispatcher: a
 ``torch.fx.GraphModule`` of ordinary aten ops on the physical ``(K, *shape)`` tensors, with no
 tensor subclass and no rule lookup left. Later calls with the same signature replay it (each op
-through its cheapest exact entry point: :mod:`jvpreg.clone.replay`); the replay is ordinary eager
+through its cheapest exact entry point: :mod:`jvpreg.clone.program.replay`); the replay is ordinary eager
 PyTorch, so autograd through it gives exact gradients, BatchNorm's in-place running-statistics
 updates happen on the live buffers, and random ops (one dropout mask for all blocks) draw fresh
 numbers on every call. ``engine="auto"`` (the default for modules) runs the first call of a new signature in
@@ -24,7 +24,7 @@ Choice of tracer. ``make_fx(pre_dispatch=True, tracing_mode="real")``:
   records grad-mode switches (``torch.no_grad`` inside a rule or model) in the graph;
 * *real* tensors run the eager clone forward for real while it is recorded, so every rule runs
   unchanged. A read of a tensor's *value* by Python (``if mask.all()``, ``.item()``, ``.tolist()``) is
-  answered and *guarded* (:mod:`jvpreg.clone.guards`): the ops that compute the tensor read run before each
+  answered and *guarded* (:mod:`jvpreg.clone.program.guards`): the ops that compute the tensor read run before each
   replay, which goes ahead only if they give the same values, and the shape of an op whose output size
   depends on values (``nonzero``, ``x[mask]``, ``torch.where(c)``) is guarded alike. A call with other values replays or records
   another program of the same signature (up to :data:`MAX_VARIANTS`; ``engine="auto"`` runs values seen once
@@ -35,18 +35,18 @@ Choice of tracer. ``make_fx(pre_dispatch=True, tracing_mode="real")``:
 Dynamo was the alternative: it guards Python state generally, but it must trace the engine's own
 Python, and clone tensors report their primal's shape, which its fake-tensor inputs cannot express.
 The clone subclass stays invisible to the tracer: clone tensors made while capturing carry their
-tracked physical tensor (:func:`jvpreg.clone.tensor.track`).
+tracked physical tensor (:func:`jvpreg.clone.core.tensor.track`).
 
 Guards (checked on every call, cheaply): the call's pytree structure and every tensor's shape, dtype,
 device, ``requires_grad``, block count and, on the CPU, whether its values are finite (the program drops
-the non-finite fix where no infinity can reach it: :mod:`jvpreg.clone.passes`); identity of every
+the non-finite fix where no infinity can reach it: :mod:`jvpreg.clone.program.passes`); identity of every
 parameter and buffer (a replaced tensor recaptures; a clone parameter, put in by
 :func:`jvpreg.clone.swapped_tensors`, is matched by its metadata); every submodule's ``training`` flag and
 its children (a swapped submodule recaptures), except on torch.nn leaves whose forward reads neither
 (``Linear``, ``ReLU``, ...: a third to a half of the guard's cost); plain tensor attributes of the modules
 that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode, autocast
 state, the default dtype (factory ops such as ``torch.full`` without a dtype follow it), the fallback mode,
-the device path (:mod:`jvpreg.clone.device_paths`) and the engine (``"compiled"`` records its own program).
+the device path (:mod:`jvpreg.clone.core.device_paths`) and the engine (``"compiled"`` records its own program).
 Forward hooks are rescanned whenever torch's hook-handle counter moved: a hook registered after a capture sends
 the module to eager clone mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
 
@@ -55,7 +55,7 @@ a 20-layer MLP, 200 µs for MobileNetV3-small (209 modules, 278 tensors); the gu
 it guards, so it grows with the module count, not with the batch.
 
 Activation checkpointing: each checkpointed region of a forward recorded with gradients replays as a sub-program
-called through ``torch.utils.checkpoint`` (:mod:`jvpreg.clone.checkpointed_regions`), so the program saves what a
+called through ``torch.utils.checkpoint`` (:mod:`jvpreg.clone.program.checkpointed_regions`), so the program saves what a
 checkpointed forward of the doubled batch saves.
 
 Limits (each falls back to eager clone mode with a warning, never a wrong answer):
@@ -73,9 +73,9 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
   model holds as an attribute); random ops that name a generator the model does not hold (one made in the forward:
   the program would keep drawing from the one made at capture); a forward that sets Python attributes of its
   modules to new values (``self.calls += 1``: a replay would not set them; the trace's writes are taken back, so
-  the call runs eagerly and sets them once; :mod:`jvpreg.clone.side_effects`); FSDP1-managed modules
+  the call runs eagerly and sets them once; :mod:`jvpreg.clone.program.side_effects`); FSDP1-managed modules
   and DTensor parameters (their collectives belong to FSDP's hooks: under FSDP2 the module runs eagerly around
-  each ``fully_shard``-ed unit, whose forward body is captured, :mod:`jvpreg.clone.sharded_units`); a constant
+  each ``fully_shard``-ed unit, whose forward body is captured, :mod:`jvpreg.clone.program.sharded_units`); a constant
   of the recorded program that
   shares memory with a traced tensor (an alias made where the tracer cannot see it, e.g. ``as_subclass``:
   it would replay the capturing call's values).
@@ -83,9 +83,9 @@ Limits (each falls back to eager clone mode with a warning, never a wrong answer
   steer what the trace records: they are recorded during the trace and re-checked before every replay (numbers,
   strings and flags by value, other objects by identity, along the whole chain of reads through the objects the
   modules hold or the call passes, ``trainer.fit_loop.epoch_progress.current.completed``;
-  :class:`jvpreg.clone.side_effects.AttributeReads`), and a change recaptures (after :data:`MAX_VARIANTS` changes
+  :class:`jvpreg.clone.program.side_effects.AttributeReads`), and a change recaptures (after :data:`MAX_VARIANTS` changes
   less than :data:`STEADY_REPLAYS` calls apart, eager clone mode with a warning). Plain module globals that the
-  model's code reads are re-checked too (:class:`jvpreg.clone.side_effects.Globals`). Containers other than lists and dicts of plain values are
+  model's code reads are re-checked too (:class:`jvpreg.clone.program.side_effects.Globals`). Containers other than lists and dicts of plain values are
   re-checked by identity: after changing one in place, call :func:`reset`.
 * Parameters and buffers are checked for infinities once, at capture: one that turns non-finite later
   (a diverged run) gives NaN tangents where the non-finite fix would give 0 (loud, never a wrong finite
@@ -110,16 +110,20 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpointed_regions, compiled_code, device_paths, functions, kernels, sharded_units
-from . import tensor as _tensor
-from .dispatch import _FALLBACK
-from .registry import Handlers
-from .guards import Guard, ValueReads, dynamic_shapes, split
-from .replay import replay_function
-from .side_effects import (AttributeReads, Attributes, Generators, Globals, argument_objects, changed,
-                           held_generators, hold, is_held_object)
-from .passes import largest_magnitude, optimize
-from .tensor import _ANY_AUTOCAST, CloneTensor
+from jvpreg.clone.core.errors import CaptureError, JVPCaptureWarning
+from jvpreg.clone.program import checkpointed_regions, sharded_units
+from jvpreg.clone.eager import compiled_code, functions
+from jvpreg.clone.core import device_paths
+from jvpreg.clone.rules import kernels
+from jvpreg.clone.core import tensor as _tensor
+from jvpreg.clone.eager.dispatch import _FALLBACK
+from jvpreg.clone.core.registry import Handlers
+from jvpreg.clone.program.guards import Guard, ValueReads, dynamic_shapes, split
+from jvpreg.clone.program.replay import replay_function
+from jvpreg.clone.program.side_effects import (AttributeReads, Attributes, Generators, Globals, argument_objects,
+    changed, held_generators, hold, is_held_object)
+from jvpreg.clone.program.passes import largest_magnitude, optimize
+from jvpreg.clone.core.tensor import _ANY_AUTOCAST, CloneTensor
 
 __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGER_CALLS_BEFORE_CAPTURE", "call", "reset",
            "uncompiled", "resolve_engine", "programs", "inductor_options"]
@@ -127,7 +131,7 @@ __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGE
 ENGINES = ("auto", "eager", "captured", "compiled", "graphed")
 MAX_PROGRAMS = 16
 #: Programs recorded for one call signature whose Python reads tensor values (one per set of values read,
-#: :mod:`jvpreg.clone.guards`); past this many the signature runs in eager clone mode. ``engine="auto"`` records
+#: :mod:`jvpreg.clone.program.guards`); past this many the signature runs in eager clone mode. ``engine="auto"`` records
 #: one for values that no program holds only when they recur (:data:`EAGER_CALLS_BEFORE_CAPTURE`), and gives up
 #: after :data:`MAX_MISSED_VALUES` distinct values that did not (values that change on every call).
 MAX_VARIANTS = 4
@@ -175,14 +179,6 @@ def warn_once(key: Any, message: str, stacklevel: int = 4) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(message, JVPCaptureWarning, stacklevel=stacklevel)
-
-
-class CaptureError(RuntimeError):
-    """The clone forward cannot be recorded as a plain program (the eager clone mode runs instead)."""
-
-
-class JVPCaptureWarning(UserWarning):
-    """A clone forward runs in eager clone mode because it could not be captured; the message says why."""
 
 
 # --------------------------------------------------------------------------------- compiled modules
@@ -431,7 +427,7 @@ def _slot_finite(value: torch.Tensor) -> bool:
 
 
 def _slot_magnitude(t: torch.Tensor) -> float:
-    """:func:`jvpreg.clone.passes.largest_magnitude` of a parameter or buffer; 0 on ``meta``
+    """:func:`jvpreg.clone.program.passes.largest_magnitude` of a parameter or buffer; 0 on ``meta``
     (:func:`_slot_finite`)."""
     return 0.0 if t.is_meta else largest_magnitude(t)
 
@@ -638,7 +634,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     if written:
         raise CaptureError(f"its forward sets Python attributes or module globals ({', '.join(written[:4])}"
                            f"{' ...' if len(written) > 4 else ''}), which a replay would not set (if only its first "
-                           "calls set them, e.g. a cache, call jvpreg.clone.capture.reset(model) after those)")
+                           "calls set them, e.g. a cache, call jvpreg.clone.program.capture.reset(model) after those)")
     if out_meta.get("objects_with_tensors"):
         names = ", ".join(sorted(set(out_meta["objects_with_tensors"])))
         raise CaptureError(f"its forward returns an object holding tensors ({names}), which a replay would return as "
@@ -892,7 +888,7 @@ def _warn_eager(module: nn.Module, reason: str) -> None:
 
 def _run_eager(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, reason: str, engine: str) -> Any:
     """``fn`` in eager clone mode because of ``reason``: said once by a warning, except for a module that holds FSDP
-    units, whose bodies are captured in turn (:mod:`jvpreg.clone.sharded_units`)."""
+    units, whose bodies are captured in turn (:mod:`jvpreg.clone.program.sharded_units`)."""
     if reason == SHARDED and sharded_units.has_fsdp2_units(module):
         with functions.active(module, (args, kwargs)), uncompiled(module), sharded_units.routed(module, engine):
             return fn(*args, **kwargs)
@@ -922,7 +918,7 @@ def call(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, engin
         finite: ``True`` when the caller already knows that every tensor in ``args``/``kwargs`` is finite
             (:func:`jvpreg.clone.api.jvp` reads it off its scale norms); ``None``: checked here.
         hooks_outside: ``fn`` is the body of an FSDP unit ``module``, whose hooks run around this call
-            (:mod:`jvpreg.clone.sharded_units`).
+            (:mod:`jvpreg.clone.program.sharded_units`).
     """
     fn = module if fn is None else fn
     return _call(module, args, {} if kwargs is None else kwargs, engine, fn,
@@ -1003,7 +999,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
         if not reason and len(rec.programs) >= MAX_PROGRAMS:
             prog = _Program(gm=None, reason=f"more than {MAX_PROGRAMS} call signatures (shapes, modes) were seen"
                                             f"{_varying_sizes(list(rec.programs) + [key])}; call "
-                                            "jvpreg.clone.capture.reset(module) if they are transient")
+                                            "jvpreg.clone.program.capture.reset(module) if they are transient")
         elif reason:
             prog = _Program(gm=None, reason=reason)
         else:

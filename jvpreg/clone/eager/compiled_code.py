@@ -4,7 +4,7 @@ Dynamo cannot trace a clone batch (its tensors report the primal's shape while h
 function that the model calls on one (Hugging Face's compiled flex attention, a user's compiled helper) would fail
 inside the clone forward. While a clone forward runs, Dynamo's stance is ``"force_eager"``
 (``torch.compiler.set_stance``): every compiled function and module runs its original code, op by op through the
-clone rules, as :func:`jvpreg.clone.capture.uncompiled` does for compiled modules; and a capture (``make_fx``) that
+clone rules, as :func:`jvpreg.clone.program.capture.uncompiled` does for compiled modules; and a capture (``make_fx``) that
 meets a compiled function traces its original code (``torch._dynamo.config.error_on_nested_fx_trace`` off while it
 records: :func:`traced_through`). The compiled engine's own program
 runs with the stance the caller had (:func:`caller_stance`), so it stays compiled.

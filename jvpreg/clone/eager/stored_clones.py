@@ -15,7 +15,7 @@ unpacked (:func:`release_object`). Each
 clone batch found is replaced by its primal block, the value a plain forward would have stored (a view of block 0:
 with its autograd history where it has one). A stored value is then a constant of the next call, as
 ``torch.func.jvp`` has it. A tensor the forward made and stored before filling it (``self.buf = torch.zeros(...);
-self.buf[...] = h``) is a clone batch by then (:mod:`jvpreg.clone.made_tensors`) and is found as well.
+self.buf[...] = h``) is a clone batch by then (:mod:`jvpreg.clone.eager.made_tensors`) and is found as well.
 
 Searched afterwards rather than noted when stored: catching ``nn.Module.__setattr__`` means assigning it on the
 class, which re-derives the slot of each of its hundreds of subclasses (0.3-0.6 ms per clone forward, more than a
@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 
-from .side_effects import is_held_object
-from .tensor import CloneTensor
+from jvpreg.clone.program.side_effects import is_held_object
+from jvpreg.clone.core.tensor import CloneTensor
 
 _ROOTS: List[nn.Module] = []  # the modules the eager clone forward under way was called on
 _ARGUMENTS: List[Tuple[Any, Set[int]]] = []  # (a list or dict passed to it, ids of the clone batches it held then)

@@ -1,6 +1,6 @@
 """Value guards of a captured program: tensor values that Python read while the program was recorded.
 
-A clone forward recorded by :mod:`jvpreg.clone.capture` runs its Python once. Where that Python reads a
+A clone forward recorded by :mod:`jvpreg.clone.program.capture` runs its Python once. Where that Python reads a
 tensor's *value* (``if mask.all():``, ``n = lengths.max().item()``, ``x.tolist()``, ``x.numpy()``), the value
 steers the recorded path or is baked into it as a constant, so the program is exact only for calls that
 read the same value. :class:`ValueReads` catches every such read while a capture runs, answers it with the
@@ -9,7 +9,7 @@ into a separate *guard program*, and :class:`Guard` runs it before each replay a
 
     replay allowed  <=>  guard(inputs)[i].tolist() == value_i  for every read i  (NaN == NaN).
 
-A changed value sends the call to another program recorded for it (:mod:`jvpreg.clone.capture` keeps a few
+A changed value sends the call to another program recorded for it (:mod:`jvpreg.clone.program.capture` keeps a few
 per call signature) or records a new one. Hugging Face models read their attention mask this way
 (``padding_mask.all()`` decides whether SDPA gets a mask); the guard costs the few small ops of that
 check, which the eager model runs too.
@@ -17,10 +17,10 @@ check, which the eager model runs too.
 A guard is sound only if recomputing its tensors before the replay gives the values the read saw. The guard
 program holds the ops that compute them and every in-place write into what those ops read made before they
 read it (a Mixture-of-Experts layer's ``out.index_add_(...)``, whose result the next layer routes on; alias
-classes, :func:`jvpreg.clone.passes._alias_classes`, follow views). It cannot hold a random draw, a write into
+classes, :func:`jvpreg.clone.program.passes._alias_classes`, follow views). It cannot hold a random draw, a write into
 an input (a BatchNorm buffer updated in place: the guard would update it before the replay does), or a write
 into the read tensor after the read (which value did Python see?). Those make the capture fail with
-:class:`~jvpreg.clone.capture.CaptureError` and the call run in eager clone mode, as does a read the tracer
+:class:`~jvpreg.clone.program.capture.CaptureError` and the call run in eager clone mode, as does a read the tracer
 cannot answer here (a value read inside a C++ op: ``torch.full(shape, t)`` with a tensor ``t``).
 
 The guard program checks each read as soon as it computes it and stops at the first that differs
@@ -29,7 +29,7 @@ broadcast, on other ones. Which ops make a shape depend on values: those torch t
 (``nonzero``, ``one_hot(num_classes=-1)``, ...), and a composite op the pre-dispatch tracer keeps whole
 (``torch.where(c)``) whose decomposition, run on fake tensors, calls one of them. Checked over PyTorch's op
 database: every op whose output shape changed with its inputs' values there is guarded
-(:func:`jvpreg.clone.sweep.value_shaped`, ``tests/clone/test_opinfo_sweep.py``).
+(:func:`op_sweep.value_shaped`, ``tests/clone/test_opinfo_sweep.py``).
 A read of a tensor the trace does not track (a constant made outside the forward) is not guarded: such
 tensors are the program's constants.
 """
@@ -46,8 +46,9 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import tensor as _tensor
-from .passes import _METADATA_ONLY, _alias_classes, _drop_dead, _pure, _written
+from jvpreg.clone.core import tensor as _tensor
+from jvpreg.clone.program.passes import _METADATA_ONLY, _alias_classes, _drop_dead, _pure, _written
+from jvpreg.clone.core.errors import CaptureError
 
 __all__ = ["Guard", "ValueReads", "dynamic_shapes", "split"]
 
@@ -379,9 +380,8 @@ def split(gm: torch.fx.GraphModule, expected: Sequence[Tuple[str, Any]], names: 
     """Move the last ``len(expected)`` outputs of ``gm`` (the tensors Python read) into a new program of their
     own ops, in place; return it. The new program checks each read against ``expected`` as soon as it computes
     it and raises :class:`GuardMismatch` at the first that differs. Raises
-    :class:`~jvpreg.clone.capture.CaptureError` if recomputing them first would not give the values the reads
+    :class:`~jvpreg.clone.program.capture.CaptureError` if recomputing them first would not give the values the reads
     saw (module docstring)."""
-    from .capture import CaptureError
 
     n = len(expected)
 

@@ -18,7 +18,7 @@ that of a checkpointed forward of the clone batch.
   them as plain physical batches, and the recomputed function gets them back as clone batches.
 
 While a capture records the clone forward with gradients enabled, a checkpoint runs its region inline and the
-program calls the recorded region through torch's checkpoint (:mod:`jvpreg.clone.checkpointed_regions`); without
+program calls the recorded region through torch's checkpoint (:mod:`jvpreg.clone.program.checkpointed_regions`); without
 gradients nothing is saved, and the region is recorded inline.
 """
 from __future__ import annotations
@@ -32,8 +32,10 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch._C import _EnableTorchFunction
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import api, checkpointed_regions, functions
-from .tensor import _SWAPPED_CLONES, CloneTensor, capturing, wrap
+from jvpreg.clone import api
+from jvpreg.clone.program import checkpointed_regions
+from jvpreg.clone.eager import functions
+from jvpreg.clone.core.tensor import _SWAPPED_CLONES, CloneTensor, capturing, wrap
 
 _NAMES = ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
 _ORIGINALS = {name: getattr(torch_checkpoint, name) for name in _NAMES if hasattr(torch_checkpoint, name)}

@@ -2,7 +2,7 @@
 
 Order of resolution for ``func(*args, **kwargs)`` with at least one clone argument:
 
-1. a registered handler (rules, fast paths; :mod:`jvpreg.clone.registry`);
+1. a registered handler (rules, fast paths; :mod:`jvpreg.clone.core.registry`);
 2. in-place ops without a handler: the out-of-place op, then a copy back into the target;
 3. all clone arguments are *state* (equal blocks): evaluate on block 0 and repeat;
 4. the exact fallback: ``out_0 = func(block 0)`` and, for each tangent block j,
@@ -27,30 +27,13 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.autograd.function import BackwardCFunction
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .made_tensors import ORIGINAL_OF
-from .registry import (COMPLEX_AFFINE, COMPLEX_AFFINE_MODULES, COMPLEX_EXACT, HANDLERS, REENTRANT, op_name,
-                       bind_arguments)
-from . import tensor as tensor_module
-from .tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap, wrap_tree
-
-
-class UnsupportedOpError(NotImplementedError):
-    """An op that the clone engine cannot linearise exactly."""
-
-
-class BatchWriteError(UnsupportedOpError):
-    """An in-place write of batch data into a tensor created outside the batch (a plain tensor cannot hold
-    the blocks). Every message ends with the commonest case in real models: an inference cache."""
-
-    CACHE_HINT = (" A cache written during the forward is such a tensor (a Hugging Face model's key/value or state "
-                  "cache, Mamba's cache_params): call the model with use_cache=False.")
-
-    def __init__(self, message: str):
-        super().__init__(message + self.CACHE_HINT)
-
-
-class JVPFallbackWarning(UserWarning):
-    """An op ran through the exact but slower ``torch.func.jvp`` fallback."""
+from jvpreg.clone.core.errors import CaptureError, JVPFallbackWarning, UnsupportedOpError
+from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse, ORIGINAL_OF
+from jvpreg.clone.core.registry import (COMPLEX_AFFINE, COMPLEX_AFFINE_MODULES, COMPLEX_EXACT, HANDLERS, REENTRANT,
+    op_name, bind_arguments)
+from jvpreg.clone.core import tensor as tensor_module
+from jvpreg.clone.core.tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap, wrap_tree
+from jvpreg.clone.eager.writes import detached_target, write_back
 
 
 _FALLBACK = {"mode": "jvp"}  # "jvp" (exact fallback, warn once) | "error"
@@ -88,7 +71,7 @@ def fallback_mode(mode: str):
 
 
 def _how_to_register(func: Callable, name: str) -> str:
-    if isinstance(getattr(func, "hint", None), str):  # a TorchScript call (jvpreg.clone.torchscript)
+    if isinstance(getattr(func, "hint", None), str):  # a TorchScript call (jvpreg.clone.eager.torchscript)
         return func.hint
     function_cls = getattr(func, "function_cls", None)
     if function_cls is not None:  # a custom autograd.Function
@@ -136,7 +119,7 @@ def check_not_custom_output(values: Any) -> None:
 
 def _check_transform_level(func: Callable) -> None:
     """Raise where a clone batch reaches an op inside a ``torch.func`` transform entered during the clone forward: it
-    got there by a closure (a transform's arguments are routed: :mod:`jvpreg.clone.nested_transforms`), and functorch
+    got there by a closure (a transform's arguments are routed: :mod:`jvpreg.clone.eager.nested_transforms`), and functorch
     would treat its blocks as samples (``vmap(lambda w: tanh(x @ w))(W)``: 10.3 off)."""
     top = torch._C._functorch.peek_interpreter_stack()
     if top is not None and top.level() > tensor_module._TRANSFORM_LEVEL[0]:
@@ -189,7 +172,7 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
                 name = op_name(func)
                 raise UnsupportedOpError(
                     f"jvpreg clone mode has no rule for the tensor attribute {name}. Register one with "
-                    f"`jvpreg.clone.register_handler({name.split(' ')[0]}.__get__)`; see jvpreg/clone/structural.py "
+                    f"`jvpreg.clone.register_handler({name.split(' ')[0]}.__get__)`; see jvpreg/clone/rules/structural.py "
                     "(`.real`, `.H`) for examples.")
             return out
         return generic(func, args, kwargs)
@@ -301,7 +284,6 @@ def _inplace_name(func: Callable) -> str | None:
 def generic_inplace(func: Callable, args: tuple, kwargs: dict) -> Any:
     """An in-place op without a handler: its out-of-place op (dispatched as a call of its own, so rules
     written with torch-function on work too), written back into the target."""
-    from .registry import detached_target, write_back
 
     oop = getattr(torch.Tensor, _inplace_name(func), None) or getattr(torch, _inplace_name(func), None)
     if oop is None:
@@ -313,7 +295,6 @@ def generic_inplace(func: Callable, args: tuple, kwargs: dict) -> Any:
         out = state_write(func, args, kwargs)
         if out is not NOT_STATE:
             return out
-        from .made_tensors import blocks_of, fill_or_refuse
 
         fill_or_refuse(target, blocks_of(args[1:], kwargs),
                        f"jvpreg clone mode: in-place {op_name(func)} would write batch data into a tensor created "
@@ -358,8 +339,6 @@ def state_write(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 NOT_STATE = object()
-STATE_WRITE_HINT = (" A buffer or statistic updated in the forward (an EMA) takes a value computed from detached batch "
-                    "data (h.detach()): its primal value is written, as BatchNorm's running statistics are.")
 
 
 def per_block(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -504,7 +483,7 @@ def _forward_ad_is_wrong(func: Callable, args: tuple, kwargs: dict) -> bool:
     """Linearise ``func`` in reverse mode: an op of :data:`_WRONG_FORWARD_AD`, or a custom operator (a
     ``torch.library`` op outside aten): torch gives those no forward-mode formula, and for some (torch's own
     chunked ``linear_cross_entropy`` operator) ``torch.func.jvp`` returns a zero tangent instead of an error; and a
-    callable marked ``reverse_mode`` (TorchScript: :mod:`jvpreg.clone.torchscript`)."""
+    callable marked ``reverse_mode`` (TorchScript: :mod:`jvpreg.clone.eager.torchscript`)."""
     if getattr(func, "reverse_mode", False):
         return True
     if isinstance(func, torch._ops.OpOverload):
@@ -548,7 +527,6 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     if not diff:
         return state_eval(func, args, kwargs)
     if tensor_module._CAPTURING[0] is not None:
-        from .capture import CaptureError
 
         raise CaptureError(f"{name} has no clone rule and its exact per-op fallback (torch.func.jvp) runs "
                            "eagerly only")

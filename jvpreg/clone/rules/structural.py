@@ -14,12 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_unflatten
 
-from . import tensor as tensor_module
-from .dispatch import NOT_STATE, UnsupportedOpError, _flat_clones, fallback, per_block, state_eval, state_write
-from .made_tensors import blocks_of, fill_or_refuse
-from .registry import COMPLEX_EXACT, maybe, op_name, register_handler, register_op, register_state
-from .tensor import (_METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, tile, varies, wrap,
-                     wrap_tree)
+from jvpreg.clone.core import tensor as tensor_module
+from jvpreg.clone.core.errors import CaptureError, UnsupportedOpError
+from jvpreg.clone.eager.dispatch import NOT_STATE, _flat_clones, fallback, per_block, state_eval, state_write
+from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse
+from jvpreg.clone.core.registry import COMPLEX_EXACT, HANDLERS, maybe, op_name, register_handler, register_op
+from jvpreg.clone.rules.kinds import register_state
+from jvpreg.clone.core.tensor import (_METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, tile,
+    varies, wrap, wrap_tree)
+from jvpreg.clone.eager.writes import write_back
 
 T = torch.Tensor
 
@@ -68,7 +71,7 @@ _METADATA.update(getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n))
 
 @register_handler(T._base.__get__)
 def _base(func, args, kwargs):
-    """``._base``: ``None`` for a clone that stands for an op's own result (:func:`~jvpreg.clone.tensor._claim`),
+    """``._base``: ``None`` for a clone that stands for an op's own result (:func:`~jvpreg.clone.core.tensor._claim`),
     else the base of its storage: the clone is a view, as the plain op's result is (FSDP2 asks before hooking a
     module's output). The base is returned to be tested, not computed with."""
     x = args[0]
@@ -127,14 +130,13 @@ def _on_self(func, args, kwargs):
     """Gradient hooks go where the clone's gradient arrives, never on a new alias of it (what ``_on_phys``
     builds), which no gradient reaches (FSDP2 unshards a layer's parameters for backward from such a hook).
 
-    A clone that stands for an op's own result (:func:`~jvpreg.clone.tensor._claim`) is hooked on the base of its
+    A clone that stands for an op's own result (:func:`~jvpreg.clone.core.tensor._claim`) is hooked on the base of its
     storage: its gradient is the clone's, and an in-place update of the clone (``h += x``) keeps the hook, as it
     does on the plain result of a plain op; on the clone, an autograd alias, the update would regenerate its
     ``grad_fn`` and drop the hook. A clone that is a view is hooked itself, as torch hooks a view. The hook receives
     the gradient of the physical ``(K, *L)`` batch. ``retain_grad`` stays on the clone, whose ``.grad`` the caller
     reads."""
     if tensor_module._CAPTURING[0] is not None:
-        from .capture import CaptureError
 
         raise CaptureError("the forward registers a gradient hook (it would not be replayed)")
     x = args[0]
@@ -305,7 +307,6 @@ register_handler(T.add_, T.__iadd__, T.sub_, T.__isub__, T.neg_, maybe(T, "subtr
 @register_op(T.masked_fill_)
 def _masked_fill_(func, input, mask, value):
     if is_clone(value):  # a batch value: out of place, written back
-        from .registry import write_back
 
         return write_back(func, input, _masked_fill(torch.masked_fill, input, mask, value))
     return elementwise_inplace(func, (input, mask, value), {})
@@ -599,7 +600,6 @@ def _inplace_view(func, args, kwargs):
     """In-place view ops (squeeze_, t_, as_strided_...) change the geometry, not the values: the clone
     takes the geometry of the out-of-place view (a view of its own storage), or its values if the
     out-of-place op had to copy."""
-    from .registry import HANDLERS
 
     x = args[0]
     oop = _INPLACE_VIEWS[func]

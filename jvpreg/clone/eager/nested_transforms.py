@@ -3,17 +3,17 @@
 functorch wraps a transform's inputs in C++ (a batched or grad-tracking tensor): a clone batch would lose its
 subclass there and the transform's ops would treat its blocks as samples (a per-sample ``vmap`` in a forward gave a
 JVP 0.59 off, an input-gradient feature ``grad(f)(x) * x`` 0.61 off, silently). While a clone forward runs
-(:func:`install`, from :func:`jvpreg.clone.functions.active`):
+(:func:`install`, from :func:`jvpreg.clone.eager.functions.active`):
 
 * ``torch.vmap`` / ``torch.func.vmap``, ``torch.func.grad`` and ``grad_and_value`` called on clone arguments are one op
-  to the engine: the exact fallback (:func:`jvpreg.clone.dispatch.fallback`) linearises the whole transformed call at
+  to the engine: the exact fallback (:func:`jvpreg.clone.eager.dispatch.fallback`) linearises the whole transformed call at
   the primal block (``torch.func.jvp`` of it, which functorch nests), eagerly (a captured model that calls one runs
   in eager clone mode);
 * any other transform that would wrap a clone batch (``vjp``, ``jacrev``, ``jvp``, ``jacfwd``, ``hessian``) raises
   :class:`UnsupportedOpError` naming it, where functorch wraps it;
 * a clone batch that reaches a transform by closure (``vmap(lambda w: tanh(x @ w))(W)``: 10.3 off before) raises at
   its first op inside (the engine's dispatch compares functorch's interpreter level with the one the clone forward
-  began at: :func:`jvpreg.clone.dispatch._check_transform_level`).
+  began at: :func:`jvpreg.clone.eager.dispatch._check_transform_level`).
 """
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from torch._C import DisableTorchFunctionSubclass
 from torch._functorch import apis, eager_transforms
 from torch._functorch import vmap as vmap_module
 
-from .dispatch import UnsupportedOpError, fallback
-from .tensor import iter_clones
+from jvpreg.clone.core.errors import UnsupportedOpError
+from jvpreg.clone.eager.dispatch import fallback
+from jvpreg.clone.core.tensor import iter_clones
 
 # (module, name): the callable there, looked up by functorch at call time
 _ROUTED_NAMES = ((apis, "vmap_impl"), (eager_transforms, "grad_impl"), (eager_transforms, "grad_and_value_impl"))

@@ -6,7 +6,7 @@ Written with ``threshold_backward(z, a, 0)`` alone, autograd would keep ``a`` (a
 ``(K, *L)`` input) or a float copy of it: one more activation per relu than the plain forward saves. This
 op keeps ``keep`` as a bool block instead (a quarter of the bytes) and its backward is
 ``dz_j = keep * dout_j``. Registered with ``torch.library`` so a captured program records it as one node
-(:mod:`jvpreg.clone.capture`) and its backward is replayed by autograd like any aten op's.
+(:mod:`jvpreg.clone.program.capture`) and its backward is replayed by autograd like any aten op's.
 
 ``jvpreg::batch_norm_tangent(d, a, gamma, mean, invstd, eps)``: train-mode BatchNorm's tangent blocks, the
 BatchNorm backward kernel applied to ``d_j``; its backward is written out (:func:`_bn_tangent_backward`) instead of
@@ -17,7 +17,7 @@ clone rule on the CPU, ``out_0 = BN(a)`` by the plain forward's kernel and ``out
 output; autograd keeps the input blocks (as a plain BatchNorm keeps its input) and the backward writes ``dz`` in place.
 The composite rule (a copy of ``a``, ``d``, ``t``, ``out_0 + t``, then a ``stack``) allocated seven blocks per call
 where this allocates three. ``jvpreg::batch_norm_relu_blocks``: the same with ``relu_blocks`` applied in place on its
-output (:mod:`jvpreg.clone.passes` fuses a relu that alone reads a BatchNorm, as a plain ``ReLU(inplace=True)`` does).
+output (:mod:`jvpreg.clone.program.passes` fuses a relu that alone reads a BatchNorm, as a plain ``ReLU(inplace=True)`` does).
 Together, on a regularized ResNet-18 step (train-mode BatchNorm, batch 64, 64x64, captured engine), they took the
 tensors allocated per step from 2089 to 1730 MiB (the plain 2B step: 1342 MiB).
 
@@ -49,7 +49,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.autograd import forward_ad
 
-from .device_paths import on_host
+from jvpreg.clone.core.device_paths import on_host
+from jvpreg.clone.core.tensor import CloneTensor, compiling, each_block, stack_blocks, tile
 
 __all__ = ["applies", "relu_blocks", "batch_norm_tangent", "group_norm_tangent", "attention_blocks",
            "attention_probs", "attention_recomputed", "layer_norm_tangent", "linearised_attention"]
@@ -58,7 +59,7 @@ _threshold_backward = torch.ops.aten.threshold_backward.default
 
 
 # The operators' own Python functions, and the same forward, setup and backward as a plain ``autograd.Function``:
-# :mod:`jvpreg.clone.replay` calls that one, skipping the custom-operator machinery (Python dispatch, schema
+# :mod:`jvpreg.clone.program.replay` calls that one, skipping the custom-operator machinery (Python dispatch, schema
 # checks), which cost 30-40 µs a call and up to 250 µs on a 1M-entry ``relu_blocks`` on this CPU.
 _IMPLS: Dict[Any, Tuple[str, Callable]] = {}
 DIRECT: Dict[torch._ops.OpOverload, Callable] = {}
@@ -116,7 +117,6 @@ def applies(t: torch.Tensor) -> bool:
     took 120 ms with the operators and 143 ms with Inductor's fusion of the decomposed rules (the 4-layer ViT
     was unchanged within noise). On other devices a compiled program leaves the decomposed rules to Inductor's
     fusion (not measured here: no GPU)."""
-    from .tensor import CloneTensor, compiling
 
     return (torch.is_grad_enabled() and t.requires_grad and type(t) in (torch.Tensor, CloneTensor)
             and not inside_transform() and (on_host(t) or not compiling()))
@@ -470,7 +470,7 @@ def batch_norm_relu_blocks(z: torch.Tensor, weight: Optional[torch.Tensor], bias
                                                 torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`batch_norm_blocks` then :func:`relu_blocks` in place on its output: ``(out, keep, mean, invstd, sum_dx,
     sum_d, new running mean, new running var)``. One output where the two operators make two (a plain forward's
-    BatchNorm -> ReLU(inplace=True) makes one); :mod:`jvpreg.clone.passes` puts it in captured programs."""
+    BatchNorm -> ReLU(inplace=True) makes one); :mod:`jvpreg.clone.program.passes` puts it in captured programs."""
     out, *rest = _bn_blocks(z, weight, bias, running_mean, running_var, momentum, eps)
     tangents = out[1:]  # masked first, reading the primal block before it is clamped (same pattern either way)
     torch.ops.aten.threshold_backward.grad_input(tangents, out[0].expand_as(tangents), 0, grad_input=tangents)
@@ -716,7 +716,6 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     ``P`` from :func:`attention_probs`, ``dS_j = (dq_j k^T + q dk_j^T) sc + dm_j``, ``dP_j = P (dS_j - sum(P dS_j))``,
     ``M`` one dropout mask for all blocks. ``q, k, v``: primal blocks; ``blocks``: every value block (``z_j``) when
     the value carries tangents, else ``None``; ``dq, dk, dm``: ``(K-1, ...)`` differences or ``None``."""
-    from .tensor import each_block, stack_blocks, tile
 
     keep = torch.empty_like(p).bernoulli_(1 - dropout_p) / (1 - dropout_p) if dropout_p > 0 else None
     pd = p if keep is None else p * keep
@@ -769,7 +768,6 @@ def attention_recomputed(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> b
     """Whether the rule runs :func:`attention_blocks`: where :func:`applies` on the clone ``x``, for floating-point
     scores ``P`` of :data:`ATTENTION_RECOMPUTE_NUMEL` entries or more (by default every one: no ``L x S`` tensor kept
     for backward; :data:`COMPILED_ATTENTION_RECOMPUTE_NUMEL` in a program to be compiled)."""
-    from .tensor import compiling
 
     if not q.is_floating_point():
         return False
@@ -868,7 +866,6 @@ def _attention_grads(q, k, v, blocks, dq, dk, mask, sc, causal, kk, g, wanted):
         dL/d(dq_j) = sc T_j k,   dL/d(dk_j) = sc T_j^T q,   dL/dmask = dL/dS (an additive mask)
 
     each summed to its input's shape where it broadcasts."""
-    from .tensor import each_block
 
     qc, kc = q.contiguous(), k.contiguous()
     p = attention_probs(qc, kc, mask, sc, causal)

@@ -1,10 +1,10 @@
-"""Graph passes over a captured clone program (:mod:`jvpreg.clone.capture`): fewer ops, same values.
+"""Graph passes over a captured clone program (:mod:`jvpreg.clone.program.capture`): fewer ops, same values.
 
 Every pass rewrites a ``torch.fx`` graph of aten ops recorded from the eager clone forward into one
 that computes the same tensors with the same gradients:
 
 * common-subexpression and dead-code elimination (:func:`optimize`);
-* the non-finite fix of :func:`jvpreg.clone.tensor.block_delta` dropped where the primal block provably
+* the non-finite fix of :func:`jvpreg.clone.core.tensor.block_delta` dropped where the primal block provably
   holds no infinity (:func:`_drop_finite_fixes`): ``masked_fill(z - a, isnan(z - a) & (z == a), 0)`` (``z == a``
   alone with gradients disabled) is
   ``z - a`` when ``a`` is finite (no input that may hold one, no op that makes one by design on the way;
@@ -40,6 +40,7 @@ import operator
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
+from jvpreg.clone.rules import kernels  # noqa: F401  (registers the operators)
 
 __all__ = ["largest_magnitude", "optimize"]
 
@@ -527,7 +528,7 @@ def _stack_unsqueezed_cats(graph: torch.fx.Graph) -> None:
 # Ops whose floating outputs are finite when their tensor inputs and number arguments are (up to
 # overflow, where a difference ``inf - inf`` gives NaN: loud, never a wrong finite value; an ``empty``
 # tensor is written before it is read). In-place (``relu_``) and out= overloads are covered by their names,
-# :mod:`jvpreg.clone.kernels`' operators by their namespace (``jvpreg``: tangents of such ops). Anything else can
+# :mod:`jvpreg.clone.rules.kernels`' operators by their namespace (``jvpreg``: tangents of such ops). Anything else can
 # make an infinity that every block shares (``log(0)``, ``1 / 0``, ``masked_fill(m, -inf)``), so its output counts
 # as non-finite.
 _FINITE_OPS = frozenset("""
@@ -901,7 +902,7 @@ _EQ, _AND = torch.ops.aten.eq.Tensor, torch.ops.aten.__and__.Tensor
 
 
 def _nonfinite_fix(node: torch.fx.Node):
-    """``(d, a)`` if ``node`` is :func:`jvpreg.clone.tensor.block_delta`'s fix, ``masked_fill(d, isnan(d) & (z == a),
+    """``(d, a)`` if ``node`` is :func:`jvpreg.clone.core.tensor.block_delta`'s fix, ``masked_fill(d, isnan(d) & (z == a),
     0)`` or, with gradients disabled, ``masked_fill(d, z == a, 0)``, with ``d = z - a``; else ``None``."""
     if node.target is not _MASKED_FILL or len(node.args) != 3 or node.args[2] != 0 or node.kwargs:
         return None
@@ -1135,8 +1136,7 @@ def _squeeze_single_selects(graph: torch.fx.Graph) -> None:
 def _fuse_batch_norm_relu(graph: torch.fx.Graph) -> None:
     """``relu_blocks(batch_norm_blocks(z)[0])`` -> ``batch_norm_relu_blocks(z)``, where the relu is the BatchNorm
     output's only reader: one output written in place, as a plain BatchNorm -> ReLU(inplace=True) has, where the two
-    operators keep two alive at once (:mod:`jvpreg.clone.kernels` gives the measured effect)."""
-    from . import kernels  # noqa: F401  (registers the operators)
+    operators keep two alive at once (:mod:`jvpreg.clone.rules.kernels` gives the measured effect)."""
 
     bn_op, relu_op = torch.ops.jvpreg.batch_norm_blocks.default, torch.ops.jvpreg.relu_blocks.default
     fused_op = torch.ops.jvpreg.batch_norm_relu_blocks.default

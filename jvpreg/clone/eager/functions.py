@@ -17,9 +17,9 @@ from typing import Any, Callable, Dict, Iterator
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from . import stored_clones
-from .dispatch import fallback
-from .tensor import _ACTIVE, _CAPTURING, _TRANSFORM_LEVEL, iter_clones
+from jvpreg.clone.eager import stored_clones
+from jvpreg.clone.eager.dispatch import fallback
+from jvpreg.clone.core.tensor import _ACTIVE, _CAPTURING, _TRANSFORM_LEVEL, iter_clones
 
 FUNCTION_RULES: Dict[type, Callable] = {}
 ALWAYS_ROUTED: set = set()  # Function classes whose rule runs inside a clone forward even without clone arguments
@@ -58,7 +58,7 @@ def active(called: Any = None, arguments: Any = ()) -> Iterator[None]:
     """Scope of a clone forward (reentrant): ``Function.apply`` is routed for clone arguments inside it; the clone
     batches the forward stores on the modules of ``called`` (the module or function it runs) and into the lists and
     dicts among ``arguments`` (its ``(args, kwargs)``) are replaced by their primals at the end
-    (:mod:`jvpreg.clone.stored_clones`)."""
+    (:mod:`jvpreg.clone.eager.stored_clones`)."""
     if _ACTIVE[0] == 0:
         top = torch._C._functorch.peek_interpreter_stack()
         _TRANSFORM_LEVEL[0] = -1 if top is None else top.level()
@@ -84,7 +84,7 @@ def _orig(cls, *args, **kwargs):
 def _apply(cls, *args, **kwargs):
     if next(iter_clones((args, kwargs)), None) is None and cls not in ALWAYS_ROUTED:
         if _CAPTURING[0] is not None and torch.is_grad_enabled() and not _operator_autograd(cls):
-            from .capture import CaptureError
+            from jvpreg.clone.core.errors import CaptureError
 
             raise CaptureError(f"the custom autograd.Function {cls.__qualname__} runs on plain tensors (its "
                                "backward would not be replayed)")
@@ -99,7 +99,7 @@ def _apply(cls, *args, **kwargs):
 
 def _operator_autograd(cls: type) -> bool:
     """``cls`` is the Function that ``torch.library.register_autograd`` made for an operator: the tracer records
-    the operator as one node (:mod:`jvpreg.clone.kernels`), whose replay runs this backward again."""
+    the operator as one node (:mod:`jvpreg.clone.rules.kernels`), whose replay runs this backward again."""
     return cls.__module__ == "torch._library.autograd"
 
 
@@ -108,8 +108,8 @@ _HOOKS: list = []  # (install, uninstall) of the other global routes a clone for
 
 def _hooks() -> list:
     if not _HOOKS:
-        from . import checkpointing, compiled_code, made_tensors, nested_transforms, torchscript
-        from .rules import flex_attention
+        from jvpreg.clone.eager import checkpointing, compiled_code, made_tensors, nested_transforms, torchscript
+        from jvpreg.clone.rules import flex_attention
 
         _HOOKS.extend([(checkpointing.install, checkpointing.uninstall),
                        (flex_attention.install, flex_attention.uninstall),

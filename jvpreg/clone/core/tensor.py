@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
+from jvpreg.clone.core.errors import CaptureError
 
 
 class CloneTensor(torch.Tensor):
@@ -35,7 +36,7 @@ class CloneTensor(torch.Tensor):
 
     _jvp_state: bool = False
     _jvp_owns: bool = False  # the first clone over all of its storage's base (see wrap): not a view, to autograd
-    _jvp_routed: bool = False  # output of a custom autograd.Function routed by jvpreg.clone.functions
+    _jvp_routed: bool = False  # output of a custom autograd.Function routed by jvpreg.clone.eager.functions
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -55,7 +56,7 @@ class CloneTensor(torch.Tensor):
         return _DISPATCH[0](func, args, kwargs or {})
 
     def as_subclass(self, cls):
-        # While a capture traces the clone forward (jvpreg.clone.capture), the physical tensor is
+        # While a capture traces the clone forward (jvpreg.clone.program.capture), the physical tensor is
         # the tracked one: ``as_subclass`` itself is invisible to the tracer.
         if _CAPTURING[0] is not None and cls is torch.Tensor:
             return _tracked_phys(self)
@@ -70,23 +71,23 @@ class CloneTensor(torch.Tensor):
 # Libraries that pick an array backend from the array's class module (opt_einsum's and autoray's ``infer_backend``:
 # ``x.__class__.__module__.split('.')[0]``, reached by tensorly's opt_einsum plugin in neuraloperator's FNO) must
 # see a clone batch as torch's own tensor: under "jvpreg" they fall back to numpy, which cannot hold it. The class
-# stays importable as jvpreg.clone.tensor.CloneTensor; a clone batch never outlives its forward, so nothing pickles
+# stays importable as jvpreg.clone.core.tensor.CloneTensor; a clone batch never outlives its forward, so nothing pickles
 # it by this name.
 CloneTensor.__module__ = "torch"
 
-_DISPATCH: list = [None]  # set by jvpreg.clone.dispatch (which imports this module)
+_DISPATCH: list = [None]  # set by jvpreg.clone.eager.dispatch (which imports this module)
 _METADATA: set = set()  # getters of metadata (shape, dtype, ...) answered outside a clone forward too, for the
 # physical batch: a clone that autograd saved inside a rule (subclass dispatch off) reads so there, and
 # torch.utils.checkpoint compares those reads with the same reads after its recomputation
-_ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.functions.active)
+_ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.eager.functions.active)
 _TRANSFORM_LEVEL: list = [-1]  # the torch.func interpreter level the outermost clone forward began at (-1: none)
-_CAPTURING: list = [None]  # the tracer while jvpreg.clone.capture records a clone forward, else None
+_CAPTURING: list = [None]  # the tracer while jvpreg.clone.program.capture records a clone forward, else None
 _COMPILING: list = [False]  # the capture under way is for engine="compiled"
 _SWAPPED_CLONES: list = []  # (store, name, clone) of the parameter/buffer slots now holding a clone (swap_in)
 
 
 def compiling() -> bool:
-    """True while :mod:`jvpreg.clone.capture` records a program for ``engine="compiled"``: a rule may pick the
+    """True while :mod:`jvpreg.clone.program.capture` records a program for ``engine="compiled"``: a rule may pick the
     formulation Inductor fuses best over the one with the fewest ops."""
     return _CAPTURING[0] is not None and _COMPILING[0]
 
@@ -105,7 +106,7 @@ def autocast_enabled(device_type: str) -> bool:
 
 
 def capturing() -> bool:
-    """True while :mod:`jvpreg.clone.capture` records a clone forward (a value read by Python would raise)."""
+    """True while :mod:`jvpreg.clone.program.capture` records a clone forward (a value read by Python would raise)."""
     return _CAPTURING[0] is not None
 
 
@@ -125,7 +126,6 @@ def _tracked_phys(clone: CloneTensor) -> torch.Tensor:
     with DisableTorchFunctionSubclass():
         same = phys is not None and phys.shape == clone.shape and phys.stride() == clone.stride()
     if not same:
-        from .capture import CaptureError
 
         raise CaptureError("a clone tensor changed its metadata in place (or was created outside the capture)")
     return phys
@@ -221,7 +221,7 @@ def _claim(out: CloneTensor, phys: torch.Tensor) -> None:
 
     A clone is an autograd alias of its physical batch, so autograd takes every clone for a view. The owner stands
     for the op's own result, a tensor of its own (``._base`` is ``None``; its gradient hooks go on the base, where
-    they survive an in-place update: :mod:`jvpreg.clone.structural`); a later clone over the same base (a view op
+    they survive an in-place update: :mod:`jvpreg.clone.rules.structural`); a later clone over the same base (a view op
     on the owner, ``x.view(-1)``) is a view of it, as the plain op's result is. Called with the subclass' torch
     function off."""
     base = phys._base

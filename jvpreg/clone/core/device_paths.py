@@ -5,8 +5,8 @@ On the CPU the engine reads values for nothing: the scales from the norms of ``x
 non-finite fixes), whether a difference of blocks holds a NaN; and it runs jvpreg's CPU operators (train-mode
 BatchNorm written into one output). On an accelerator every read would wait for the device, so the scales are
 kernels inside the program, the non-finite fixes stay wherever an infinity can reach them
-(:mod:`jvpreg.clone.passes`), BatchNorm's primal block takes the device's own kernel and its tangent's backward
-the form with fewer, larger kernels (:func:`jvpreg.clone.kernels.few_launches`).
+(:mod:`jvpreg.clone.program.passes`), BatchNorm's primal block takes the device's own kernel and its tangent's backward
+the form with fewer, larger kernels (:func:`jvpreg.clone.rules.kernels.few_launches`).
 
 :func:`accelerator_path` makes CPU tensors take the accelerator's path, so that its exactness can be checked in
 float64 on a machine without one (``tests/clone/test_accelerator_path.py``, ``scripts/model_zoo_sweep.py``):
@@ -42,7 +42,7 @@ def accelerator_path() -> Iterator[None]:
 
     Example::
 
-        >>> with jvpreg.clone.device_paths.accelerator_path():
+        >>> with jvpreg.clone.core.device_paths.accelerator_path():
         ...     y, t = jvpreg.jvp(model, (x,), (u,), engine="captured")  # the program a GPU would replay
     """
     prev = _SIMULATED[0]

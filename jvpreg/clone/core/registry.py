@@ -1,28 +1,14 @@
 """The one rule registry of the clone engine.
 
 A *handler* is ``handler(func, args, kwargs) -> output`` and is called with the subclass'
-torch-function disabled, so every :class:`~jvpreg.clone.tensor.CloneTensor` argument
+torch-function disabled, so every :class:`~jvpreg.clone.core.tensor.CloneTensor` argument
 behaves as its physical ``(K, *L)`` tensor (block 0 = primal, blocks 1.. = tangents).
-Handlers return *physical* tensors; the helpers below wrap them back into clones.
+Handlers return *physical* tensors, which the dispatcher wraps back into clones.
 
-Three ways to register, from the most to the least specific:
-
-* :func:`register_handler` — full control (shape ops, fast paths).
-* :func:`register_rule` — a rule written on blocks: ``rule(*args, **kwargs)`` returns the
-  physical output(s); the registry wraps them and handles the in-place variants.
-* :func:`register_state` — ops whose outputs are piecewise constant in the batch
-  (comparisons, argmax, sign, random draws): computed on block 0 and repeated.
-
-Users add a rule for their own op the same way::
-
-    from jvpreg.clone import register_rule
-
-    @register_rule(torch.ops.mylib.soft_threshold.default)
-    def soft_threshold(x, lam):
-        a, b = x[0], x[1:]                        # primal block, tangent blocks
-        keep = a.abs() > lam                      # state from the primal block
-        out_a = torch.ops.mylib.soft_threshold(a, lam)
-        return torch.cat([out_a[None], torch.where(keep, b - lam * a.sign(), out_a)])
+The table maps each torch function (and ATen overload) to its handler; :func:`register_handler` and
+:func:`register_op` fill it, :func:`bind_arguments` binds a call's arguments by the op's own signature, and
+:func:`rule_for` reads it. Rules by kind (a rule written on blocks, a state op) register through
+:mod:`jvpreg.clone.rules.kinds`.
 """
 from __future__ import annotations
 
@@ -33,13 +19,12 @@ from typing import Any, Callable, Dict, Iterable
 
 import torch
 
-from .tensor import is_clone, wrap, wrap_tree
 
 Handler = Callable[[Callable, tuple, dict], Any]
 
 class Handlers(dict):
     """The registry's table, op -> handler, with a ``version`` that every change bumps: a captured program is
-    recorded under the version of the rules it ran (:func:`jvpreg.clone.capture.call`), so a rule registered,
+    recorded under the version of the rules it ran (:func:`jvpreg.clone.program.capture.call`), so a rule registered,
     replaced or removed later records the program again."""
 
     version = 0
@@ -81,7 +66,7 @@ COMPLEX_EXACT: set = set()
 COMPLEX_AFFINE: set = set()
 #: modules whose handlers are affine in a single varying argument (shape ops, indexing, sums, per-block ops, FFTs,
 #: convolutions): exact on one complex clone argument
-COMPLEX_AFFINE_MODULES = frozenset({"jvpreg.clone.structural"})
+COMPLEX_AFFINE_MODULES = frozenset({"jvpreg.clone.rules.structural"})
 
 
 def op_name(func: Any) -> str:
@@ -239,7 +224,7 @@ def bind_arguments(func: Any, args: tuple, kwargs: dict) -> tuple:
     return tuple(args) + bound, {k: v for k, v in kwargs.items() if k not in moved}
 
 
-def _existing(funcs: Iterable[Any]) -> list:
+def existing(funcs: Iterable[Any]) -> list:
     return [f for f in funcs if f is not None]
 
 
@@ -247,7 +232,7 @@ def register_handler(*funcs: Any, reentrant: bool = False) -> Callable[[Handler]
     """Register ``handler(func, args, kwargs)`` for each torch function in ``funcs``."""
 
     def deco(handler: Handler) -> Handler:
-        for f in _existing(funcs):
+        for f in existing(funcs):
             HANDLERS[f] = handler
             if reentrant:
                 REENTRANT.add(f)
@@ -283,133 +268,13 @@ def register_op(*funcs: Any, aliases: Dict[str, str] | None = None, reentrant: b
     return deco
 
 
-def write_back(func: Any, target: Any, out: Any) -> Any:
-    """The in-place half of an in-place op: copy the out-of-place result into ``target``.
-
-    The one place where in-place writes into clones happen (rules, the generic path): the target must
-    be a clone, a plain tensor cannot hold the blocks.
-    """
-    from torch._C import DisableTorchFunctionSubclass
-
-    if not is_clone(target):
-        if not is_clone(out) or out._jvp_state:  # the same in every block: its primal, as a plain forward writes it
-            with DisableTorchFunctionSubclass():
-                return target.copy_(out.as_subclass(torch.Tensor)[0] if is_clone(out) else out)
-        from .made_tensors import blocks_of, fill_or_refuse
-
-        fill_or_refuse(target, blocks_of(out),
-                       f"jvpreg clone mode: {op_name(func)} would write batch data into a tensor created outside the "
-                       "batch. Create that tensor from the batch (e.g. torch.zeros_like(h) or h.new_zeros(...)) or use "
-                       "the out-of-place op (collect pieces with torch.stack/torch.cat).")
-
-    with DisableTorchFunctionSubclass():
-        # a plain result (one that does not depend on the batch: addmm with beta = 0) is the same in every block
-        src = out.as_subclass(torch.Tensor) if is_clone(out) else out.unsqueeze(0)
-        if src.dim() < target.dim():  # a logical broadcast: blocks first
-            src = src.reshape(src.shape[0], *([1] * (target.dim() - src.dim())), *src.shape[1:])
-        if src.dim() > target.dim() or any(s not in (1, t) for s, t in zip(src.shape[1:], target.shape[1:])):
-            from .dispatch import UnsupportedOpError
-
-            raise UnsupportedOpError(
-                f"jvpreg clone mode: {op_name(func)} would resize its target from {tuple(target.shape[1:])} to "
-                f"{tuple(src.shape[1:])}; a batch tensor cannot be resized in place. Use the out-of-place op.")
-        target.copy_(src)
-    target._jvp_state = bool(out._jvp_state) if is_clone(out) else True
-    return target
-
-
-def _finish(out: Any, args: tuple, kwargs: dict, inplace: bool, func: Any = None) -> Any:
-    if not inplace:
-        return wrap_tree(out, wrap)
-    target = args[0] if args else kwargs.get("input", kwargs.get("self"))
-    return write_back(func, target, out if is_clone(out) else wrap(out))  # a rule's physical (K, ...) output
-
-
-def detached_target(args: tuple, kwargs: dict, needed: bool = True) -> tuple:
-    """For an in-place call: run the rule on a copy of the target, so nothing the rule saves for
-    backward is a view of the tensor that the in-place write then overwrites."""
-    if not needed or not args or not is_clone(args[0]) or not args[0].requires_grad:
-        return args
-    src = wrap(args[0].clone(), state=args[0]._jvp_state)
-    return (src,) + tuple(args[1:])
-
-
-def _position(func: Any, name: str) -> int | None:
+def position(func: Any, name: str) -> int | None:
     """The position of parameter ``name`` in ``func``'s first signature that has it, or ``None``."""
     for ov in overloads(func):
         names = [n for n, _ in ov.positional]
         if name in names:
             return names.index(name)
     return None
-
-
-def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str | None = "inplace",
-                  inplace_safe: bool = False, no_grad_inplace: Callable | None = None):
-    """Register a rule written on blocks for ``funcs`` (and their in-place variants).
-
-    The rule is called like the op, with clone arguments seen as physical ``(K, *L)``
-    tensors, and returns the physical output(s). In-place variants (listed in
-    ``inplace``, or called with ``inplace=True``) write the result back into the input; the
-    rule then runs on a copy of the input unless ``inplace_safe`` (it saves no view of its
-    input for backward, e.g. ``x * mask`` with a constant mask). ``no_grad_inplace(x, *args)``, if
-    given, mutates ``x`` directly when no gradient is recorded (no copy back).
-    """
-    inplace = tuple(_existing(inplace))
-
-    def deco(rule: Callable) -> Callable:
-        sig = inspect.signature(rule)
-        names = list(sig.parameters)
-        accepts_inplace = inplace_kwarg is not None and inplace_kwarg in sig.parameters
-        pos = names.index(inplace_kwarg) if accepts_inplace else -1
-        if accepts_inplace and sig.parameters[inplace_kwarg].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
-            pos = -1  # keyword-only
-
-        def run_in_place(args, kwargs):
-            target = args[0] if args else None
-            if no_grad_inplace is not None and is_clone(target) and not (
-                    torch.is_grad_enabled() and target.requires_grad):
-                no_grad_inplace(target, *args[1:], **kwargs)
-                target._jvp_state = False
-                return target
-            return _finish(rule(*detached_target(args, kwargs, not inplace_safe), **kwargs), args, kwargs, True,
-                           funcs[0] if funcs else rule)
-
-        def out_of_place(func, args, kwargs):
-            at = _position(func, inplace_kwarg) if accepts_inplace and pos < 0 else None
-            if at is not None and len(args) > at:  # ``F.silu(x, True)``: the flag by position, read by name
-                kwargs = dict(kwargs, **{inplace_kwarg: args[at]})
-                args = args[:at] + args[at + 1:]
-            is_ip = False
-            if accepts_inplace:
-                if kwargs.get(inplace_kwarg):
-                    is_ip = True
-                elif 0 <= pos < len(args):
-                    is_ip = bool(args[pos])
-            if not is_ip:
-                return _finish(rule(*args, **kwargs), args, kwargs, False)
-            return run_in_place(args, {k: v for k, v in kwargs.items() if k != inplace_kwarg} if kwargs else kwargs)
-
-        def in_place(func, args, kwargs):
-            return run_in_place(args, {k: v for k, v in kwargs.items() if k != inplace_kwarg})
-
-        functools.wraps(rule)(out_of_place)
-        functools.wraps(rule)(in_place)
-        for f in _existing(funcs):
-            HANDLERS[f] = out_of_place
-        for f in inplace:
-            HANDLERS[f] = in_place
-        rule.__jvpreg_funcs__ = tuple(_existing(funcs)) + inplace
-        return rule
-
-    return deco
-
-
-def register_state(*funcs: Any) -> None:
-    """Declare ops whose outputs carry state only (zero tangent): evaluated on block 0."""
-    from .dispatch import state_eval
-
-    for f in _existing(funcs):
-        HANDLERS[f] = state_eval
 
 
 def rule_for(func: Any) -> Callable | None:

@@ -2,14 +2,14 @@
 
 A scripted function or module called on a clone batch would run its ops on the physical ``(K, *shape)`` tensor as
 if the blocks were samples: every nonlinearity would take its state from each block (``tanh(x) * sigmoid(x)``: 0.49
-off), a silently wrong JVP. While a clone forward runs (:func:`install`, from :func:`jvpreg.clone.functions.active`)
+off), a silently wrong JVP. While a clone forward runs (:func:`install`, from :func:`jvpreg.clone.eager.functions.active`)
 calls of ``torch.jit.ScriptFunction`` and ``torch.ScriptMethod`` (a scripted or traced module's ``forward``) with a
 clone argument are routed:
 
 * a scripted *function* runs its Python original (``torch.jit.script`` keeps it for Dynamo as
-  ``_torchdynamo_inline``), op by op through the rules, as :mod:`jvpreg.clone.compiled_code` runs compiled code;
+  ``_torchdynamo_inline``), op by op through the rules, as :mod:`jvpreg.clone.eager.compiled_code` runs compiled code;
 * a scripted or traced *module* (no Python original is kept) and a function without its original take the exact
-  per-op fallback (:func:`jvpreg.clone.dispatch.fallback`) in reverse mode (two backward passes at the primal
+  per-op fallback (:func:`jvpreg.clone.eager.dispatch.fallback`) in reverse mode (two backward passes at the primal
   block): TorchScript's forward AD is right on a call's first run only (its profiling executor then runs a graph
   without it), its reverse mode is what training scripted models uses. The fallback runs eagerly only: a captured
   model that calls one runs in eager clone mode.
@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from .dispatch import fallback
-from .tensor import iter_clones
+from jvpreg.clone.eager.dispatch import fallback
+from jvpreg.clone.core.tensor import iter_clones
 
 _ORIGINALS = {cls: cls.__call__ for cls in (torch.jit.ScriptFunction, torch.ScriptMethod)}
 HINT = ("TorchScript runs its ops in C++, where clone rules cannot see them: call the Python original (the function "

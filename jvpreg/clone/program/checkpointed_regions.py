@@ -1,7 +1,7 @@
 """Activation checkpointing in a captured clone program: each checkpointed region replays as a checkpointed sub-program.
 
-While a capture records a clone forward with gradients enabled (:mod:`jvpreg.clone.capture`), a non-reentrant
-checkpoint (the reentrant form is routed to it: :mod:`jvpreg.clone.checkpointing`) does not run torch's checkpoint
+While a capture records a clone forward with gradients enabled (:mod:`jvpreg.clone.program.capture`), a non-reentrant
+checkpoint (the reentrant form is routed to it: :mod:`jvpreg.clone.eager.checkpointing`) does not run torch's checkpoint
 machinery: its region runs inline, and every node the tracer records meanwhile is tagged with the region
 (:func:`recording`, :func:`tag`). After the program's passes, :func:`outline` cuts each region's span of nodes out
 of the program into a sub-program and calls it through ``torch.utils.checkpoint.checkpoint(sub, *inputs,
@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
+from jvpreg.clone.core.errors import CaptureError
 
 __all__ = ["Region", "CheckpointedRegion", "recording", "open_region", "tag", "outline"]
 
@@ -104,7 +105,6 @@ def _spans(graph: torch.fx.Graph) -> List[tuple]:
     spans = sorted((first, last, region) for region, (first, last) in bounds.items())
     for (_, last, _), (first, _, _) in zip(spans, spans[1:]):
         if first <= last:
-            from .capture import CaptureError
 
             raise CaptureError("two checkpointed regions of the program overlap after its passes")
     return [(region, first, last) for first, last, region in spans]

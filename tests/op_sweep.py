@@ -14,7 +14,7 @@ variant (differentiated in its ``self`` operand), one case compares ``jvpreg.jvp
 
 Comparison: same pytree structure; float leaves to ``rtol = atol / max|ref| = 1e-7``. Where the reference
 primal output is not finite the difference form carries no tangent: there 0 (an infinity shared by
-every block, e.g. a ``-inf`` mask) or NaN is accepted (convention: :func:`jvpreg.clone.tensor.block_delta`),
+every block, e.g. a ``-inf`` mask) or NaN is accepted (convention: :func:`jvpreg.clone.core.tensor.block_delta`),
 any other value is not.
 
 Gradients (what a penalty on the JVP trains with): where the values match and every input and reference output
@@ -31,7 +31,7 @@ rules are; ``Result.capture`` says whether the case was captured or ran eagerly,
 
 :func:`value_shaped` sweeps the database for ops whose output *shape* follows their inputs' values (every OpInfo,
 in int64 or bool where it has no float64): each sample recorded as the capture records it, then on other values of
-the same shapes; such an op must be one the capture guards (:func:`jvpreg.clone.guards.dynamic_shapes`).
+the same shapes; such an op must be one the capture guards (:func:`jvpreg.clone.program.guards.dynamic_shapes`).
 
 Used by ``tests/clone/test_opinfo_sweep.py`` and ``scripts/coverage_table.py`` (the op database needs ``expecttest``);
 :func:`check` runs the same comparison on any function, for a rule of your own.
@@ -194,7 +194,7 @@ def _variants(op) -> list:
 def _keyword_form(fn, method: bool, n_args: int, keys: frozenset, form: str):
     """``(input_name, names)``: the keywords to pass the first ``n_args`` arguments by, in ``form``, from the
     first of ``fn``'s signatures that takes them with the sample's own keywords; ``None`` if none does."""
-    from .registry import overloads
+    from jvpreg.clone.core.registry import overloads
 
     for ov in overloads(fn):
         names = [n for n, _ in ov.positional]
@@ -208,7 +208,7 @@ def _keyword_form(fn, method: bool, n_args: int, keys: frozenset, form: str):
 
 def keyword_cases(op, n_samples: int = 8) -> Iterator[Case]:
     """The cases of :func:`cases` called in other forms (:data:`CALL_FORMS`), with the keyword names taken from
-    torch's own signatures of the op (:func:`jvpreg.clone.registry.overloads`: the ATen schemas the argument parser
+    torch's own signatures of the op (:func:`jvpreg.clone.core.registry.overloads`: the ATen schemas the argument parser
     binds by). A form torch itself refuses, or that gives other values than the positional call, is not a case:
     the sweep checks the engine on the calls torch accepts."""
     torch.manual_seed(0)
@@ -349,7 +349,8 @@ def run_case(case: Case, u: torch.Tensor | None = None, engine: str = "eager") -
     ``engine``: ``"eager"`` (the op's rules dispatched one by one), ``"captured"`` (the op wrapped in a module and
     run as the captured program the callbacks replay, then replayed on other values: :func:`_replay_mismatch`) or
     ``"compiled"`` (the same program under ``torch.compile``; seconds per case)."""
-    from .dispatch import UnsupportedOpError, record_fallbacks
+    from jvpreg.clone.core.errors import UnsupportedOpError
+    from jvpreg.clone.eager.dispatch import record_fallbacks
 
     x = case.primal
     u = _tangent_like(x, 1) if u is None else u
@@ -446,7 +447,7 @@ def _ours(fn, x, u, engine: str = "eager", module: torch.nn.Module | None = None
     """``jvpreg.jvp(fn, (x,), (u,))``; with another engine (``"captured"``, ``"compiled"``) through ``module``
     (default: a fresh one, so a fresh capture), whose outcome :data:`LAST_CAPTURE` records."""
     import jvpreg
-    from . import capture
+    from jvpreg.clone.program import capture
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -702,7 +703,7 @@ def _other_values(t: Any, kind: int, gen: torch.Generator) -> Any:
 
 def value_shaped(op, n_samples: int = N_SAMPLES, every: int = 1) -> list:
     """``(aten op, sample, guarded)`` for each op in the recorded program of one of ``op``'s samples whose output
-    shape changes with its arguments' *values*; ``guarded``: :func:`jvpreg.clone.guards.dynamic_shapes` (what the
+    shape changes with its arguments' *values*; ``guarded``: :func:`jvpreg.clone.program.guards.dynamic_shapes` (what the
     capture guards) holds it. One that it leaves out would make a program hold the recorded shape without a guard,
     silently wrong or crashing on other values.
 
@@ -711,7 +712,7 @@ def value_shaped(op, n_samples: int = N_SAMPLES, every: int = 1) -> list:
     target, arguments' shapes or non-tensor arguments differ (the control flow parted). An op with the same
     arguments and another output shape is value-shaped. Values the op rejects (an index out of range), and samples
     that cannot be recorded, are skipped. ``every``: every ``every``-th sample only (:func:`strided`)."""
-    from .guards import dynamic_shapes
+    from jvpreg.clone.program.guards import dynamic_shapes
 
     dtype = _value_shape_dtype(op)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """The replay function of a captured program: its aten ops called through their cheapest exact entry point.
 
-A captured program (:mod:`jvpreg.clone.capture`) is a ``torch.fx.GraphModule`` whose nodes call
+A captured program (:mod:`jvpreg.clone.program.capture`) is a ``torch.fx.GraphModule`` whose nodes call
 ``OpOverload`` s (``torch.ops.aten.sub.Tensor``). Calling one costs a Python frame (``OpOverload.__call__``)
 and a boxed call that parses the arguments against the schema; on the small ops of a small model that is
 most of the op's time. :func:`replay_function` writes ``gm.forward`` again with, per node, the cheapest
@@ -10,8 +10,8 @@ callable that runs the same operator:
   0.4-0.9 µs less per op than the handle on this CPU (``select`` 1.37 → 0.93 µs, ``sub`` 1.57 → 1.12 µs);
 * else the C++ operator handle ``op._op`` (what ``OpOverload.__call__`` calls when no Python
   dispatcher is attached): one Python frame less than the overload;
-* jvpreg's own operators (:mod:`jvpreg.clone.kernels`): the same forward, setup and backward as a plain
-  ``autograd.Function`` (:data:`jvpreg.clone.kernels.DIRECT`), without the custom-operator dispatch.
+* jvpreg's own operators (:mod:`jvpreg.clone.rules.kernels`): the same forward, setup and backward as a plain
+  ``autograd.Function`` (:data:`jvpreg.clone.rules.kernels.DIRECT`), without the custom-operator dispatch.
 
 A binding picks its overload from the argument types at run time, so it is used for a node only when it
 is *checked* to run the same thing. The program is walked once on ``meta`` tensors shaped like its inputs
@@ -40,7 +40,7 @@ from torch.fx.node import map_aggregate
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from . import kernels
+from jvpreg.clone.rules import kernels
 
 __all__ = ["replay_function"]
 

@@ -10,7 +10,7 @@ into one of them turns it, in place, into a state clone (every block its current
 same tensor object, now ``K`` blocks (:func:`fill_or_refuse`, the one place every write site asks).
 
 Exact: before the write the tensor does not depend on the input, and the write is the ordinary clone write.
-Refused (the write raises :class:`jvpreg.clone.dispatch.BatchWriteError`, as before): a tensor that a view or
+Refused (the write raises :class:`jvpreg.clone.eager.dispatch.BatchWriteError`, as before): a tensor that a view or
 another tensor shares memory with (their reads would not see the blocks), one that requires grad, and tensors that
 were not made during this clone forward (a buffer, a cache, a tensor passed in). A captured program records the
 promotion as the ops that build the blocks. Cost: one Python call per factory call in eager clone mode and
@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from .tensor import _CAPTURING, CloneTensor, _claim, iter_clones, tile, track
+from jvpreg.clone.core.tensor import _CAPTURING, CloneTensor, _claim, iter_clones, tile, track
+from jvpreg.clone.core.errors import BatchWriteError, STATE_WRITE_HINT
 
 _FACTORIES = {
     torch: ("zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like", "full_like"),
@@ -50,7 +51,7 @@ def _noting(factory: Callable) -> Callable:
 
 _NOTING = {key: _noting(original) for key, original in _ORIGINALS.items()}  # built once: install is setattrs
 #: noting factory -> the plain one: ``__torch_function__`` receives the function torch looks up at call time, and the
-#: engine's rules are registered for the plain ones (:func:`jvpreg.clone.dispatch.dispatch` maps it back)
+#: engine's rules are registered for the plain ones (:func:`jvpreg.clone.eager.dispatch.dispatch` maps it back)
 ORIGINAL_OF: Dict[Callable, Callable] = {_NOTING[key]: original for key, original in _ORIGINALS.items()}
 
 
@@ -137,10 +138,9 @@ def _promoted(target: Any, k: Optional[int]) -> bool:
 
 def fill_or_refuse(target: Any, k: Optional[int], refusal: str) -> None:
     """A write of ``k``-block batch data into the plain tensor ``target``: promote it (a tensor this forward made),
-    or raise :class:`jvpreg.clone.dispatch.BatchWriteError` with ``refusal`` (what the write was and what to do), why
+    or raise :class:`jvpreg.clone.eager.dispatch.BatchWriteError` with ``refusal`` (what the write was and what to do), why
     a tensor this forward made was refused, and the state-write hint."""
     if _promoted(target, k):
         return
-    from .dispatch import STATE_WRITE_HINT, BatchWriteError
 
     raise BatchWriteError(refusal + _why_not(target) + STATE_WRITE_HINT)

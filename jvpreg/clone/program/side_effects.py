@@ -1,6 +1,6 @@
 """What a traced forward changes besides its tensors, which a captured program would not replay.
 
-A captured program (:mod:`jvpreg.clone.capture`) replays the forward's tensor ops. Two kinds of state live
+A captured program (:mod:`jvpreg.clone.program.capture`) replays the forward's tensor ops. Two kinds of state live
 outside them:
 
 * **random number generators**: the default CPU and device generators, and any ``torch.Generator`` the model
@@ -40,7 +40,7 @@ dict, and the items of *plain* ``list`` and ``dict`` attributes through the buil
 they changed; a subclass (diffusers' ``FrozenDict`` config, whose ``update`` raises) is compared by identity, and
 values are compared by ``==`` only where both are numbers, strings, flags or dtypes. Why not Dynamo's guards and
 side-effect tracking: they would have to trace the clone engine's own Python, and a clone batch reports its
-primal's shape, which Dynamo's fake tensors cannot express (:mod:`jvpreg.clone.capture`); the price is that a write
+primal's shape, which Dynamo's fake tensors cannot express (:mod:`jvpreg.clone.program.capture`); the price is that a write
 into a subclassed container's items, or into an object's ``__slots__``, is not seen (the capture treats them as
 unchanged).
 """
