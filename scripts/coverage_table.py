@@ -16,7 +16,9 @@ import warnings
 import torch
 
 import jvpreg.clone  # noqa: F401
-import op_sweep as sweep
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # the sweep's harness is test code
+import op_sweep as sweep  # noqa: E402
 from jvpreg.clone.core.registry import HANDLERS, rule_for
 from jvpreg.clone.rules.__main__ import registry_rows
 
