@@ -249,6 +249,16 @@ def load_script(name: str):
     return module
 
 
+TIERS = ("quick", "slow", "sweep")
+
+
+def tier(item) -> str:
+    """A test's tier: ``sweep`` if marked sweep, else ``slow`` if marked slow, else ``quick``."""
+    if item.get_closest_marker("sweep") is not None:
+        return "sweep"
+    return "slow" if item.get_closest_marker("slow") is not None else "quick"
+
+
 def pytest_configure(config):
     """Under pytest-xdist (``-n 2``: CI) each worker is one of two processes on two cores: one intra-op thread
     each, or they fight over the cores."""
@@ -258,13 +268,19 @@ def pytest_configure(config):
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
-                     help="also run the tests marked slow (CI runs everything)")
+                     help="run every tier: quick, slow and sweep (CI runs everything)")
+    parser.addoption("--tier", action="append", default=[], choices=TIERS,
+                     help="run only this tier (repeat the option for several); default: quick, or all with --slow")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--slow") or config.getoption("markexpr"):
+    """Deselect the tiers a run does not select: all run with ``--slow``; those named by ``--tier``; else the quick
+    tier. An explicit ``-m`` without ``--tier`` selects by itself (``-m sweep``: every test marked sweep)."""
+    chosen = set(config.getoption("--tier"))
+    if config.getoption("--slow") or (config.getoption("markexpr") and not chosen):
         return
-    slow = [item for item in items if item.get_closest_marker("slow") is not None]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    chosen = chosen or {"quick"}
+    left = [item for item in items if tier(item) not in chosen]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if tier(item) in chosen]
