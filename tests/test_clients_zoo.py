@@ -112,7 +112,7 @@ def _params(mode):
             slow = c.name in SLOW_EVAL
         else:
             slow = c.name not in QUICK_TRAIN
-        out.append(pytest.param(c.name, marks=[pytest.mark.slow] if slow else [], id=c.name))
+        out.append(pytest.param(c.name, marks=[pytest.mark.sweep] if slow else [], id=c.name))
     return out
 
 
@@ -257,7 +257,7 @@ def fit_client(name: str, steps: int = 3, b: int = 2, weight: float = 1e-3) -> d
 
 
 @pytest.mark.parametrize("name", [pytest.param(c.name, marks=[] if c.name == "timm_resnet18" else
-                                               [pytest.mark.slow]) for c in CLIENTS])
+                                               [pytest.mark.sweep]) for c in CLIENTS])
 def test_client_fit_with_jacobian_regularizer(name):
     got = fit_client(name)
     assert got["steps"] == 3, got

@@ -32,7 +32,7 @@ def test_exact_hardsigmoid_has_slope_one_sixth_in_float64(zoo):
 
 
 @pytest.mark.parametrize("source, name", [("timm", "test_resnet"), ("hf", "llama"),
-                                          pytest.param("hf", "mixtral", marks=pytest.mark.slow)])  # MoE routing
+                                          pytest.param("hf", "mixtral", marks=pytest.mark.sweep)])  # MoE routing
 def test_check_one_finds_both_engines_exact(zoo, source, name):
     row = zoo.check_one(source, name)
     assert row["verdict"] == "exact", row

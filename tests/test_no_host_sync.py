@@ -54,7 +54,7 @@ PENALTIES = {
 
 
 def _models(names):
-    return [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in sorted(names)]
+    return [pytest.param(n, marks=() if n in FAST else pytest.mark.sweep) for n in sorted(names)]
 
 
 def _on_meta(name):

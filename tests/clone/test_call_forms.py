@@ -25,7 +25,7 @@ def _key(op) -> str:
     return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if o.name in QUICK else pytest.mark.slow)
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if o.name in QUICK else pytest.mark.sweep)
                                 for o in OPS])
 def test_every_keyword_form_is_exact_or_a_clear_error(op):
     results = sweep.run_keyword_op(op, n_samples=4)

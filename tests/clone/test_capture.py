@@ -98,10 +98,10 @@ def _zoo_params():
     for name in ZOO:
         for mode in ("train", "eval"):  # the heaviest train-mode checks run with --slow
             slow = mode == "train" and name in ("mobilenet_v3_small", "lstm", "unet")
-            yield pytest.param(name, mode, ZOO[name], id=f"{name}-{mode}", marks=pytest.mark.slow if slow else ())
+            yield pytest.param(name, mode, ZOO[name], id=f"{name}-{mode}", marks=pytest.mark.sweep if slow else ())
     for name in SLOW:
         for mode in ("train", "eval"):
-            yield pytest.param(name, mode, SLOW[name], id=f"{name}-{mode}", marks=pytest.mark.slow)
+            yield pytest.param(name, mode, SLOW[name], id=f"{name}-{mode}", marks=pytest.mark.sweep)
 
 
 def _dropout_free(model: nn.Module) -> nn.Module:

@@ -127,7 +127,7 @@ def _key(op) -> str:
     return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in QUICK else pytest.mark.slow)
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in QUICK else pytest.mark.sweep)
                                 for o in OPS])
 def test_opinfo_exact_or_clear_error(op):
     check_results(_key(op), op, sweep.run_op(op), whole=True)
@@ -147,7 +147,7 @@ SLOW_EVERY = 4
 
 
 @pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in QUICK_CAPTURED else
-                                             pytest.mark.slow) for o in OPS])
+                                             pytest.mark.sweep) for o in OPS])
 def test_opinfo_captured_exact_or_clear_error(op, request):
     _check_captured(op, request, whole=QUICK_CAPTURED)
 
@@ -162,7 +162,7 @@ ACCELERATOR = QUICK_CAPTURED | {_key(o) for o in OPS if "norm" in _key(o)}
 
 
 @pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in ACCELERATOR_QUICK else
-                                             pytest.mark.slow) for o in OPS if _key(o) in ACCELERATOR])
+                                             pytest.mark.sweep) for o in OPS if _key(o) in ACCELERATOR])
 def test_opinfo_accelerator_path_exact_or_clear_error(op, request):
     with accelerator_path():
         _check_captured(op, request, whole=ACCELERATOR_QUICK)
@@ -178,7 +178,7 @@ def _check_captured(op, request, whole):
     in ``whole`` and every SLOW_EVERY-th for the others."""
     key = _key(op)
     n, every = QUICK_CAPTURED_SAMPLES, 1
-    if request.config.getoption("--slow"):
+    if request.config.getoption("--slow") or "sweep" in request.config.getoption("--tier"):
         n, every = sweep.N_SAMPLES, 1 if key in whole else SLOW_EVERY
     results = sweep.run_op(op, n_samples=n, engine="captured", every=every)
     if op.name in STORAGE_OFFSET_OPS:  # refused by the capture, by its reason: the eager runs are swept
@@ -201,7 +201,7 @@ VALUE_SHAPED = {"masked_select", "tensor_split", "__getitem__", "unique", "uniqu
                 "nn.functional.one_hot", "argwhere", "repeat_interleave", "linalg.lstsq", "linalg.lstsq.grad_oriented"}
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in VALUE_SHAPED else pytest.mark.slow)
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in VALUE_SHAPED else pytest.mark.sweep)
                                 for o in sweep.value_shape_ops()])
 def test_opinfo_value_shaped_ops_are_guarded(op):
     found = sweep.value_shaped(op, every=1 if _key(op) in VALUE_SHAPED else SLOW_EVERY)
@@ -275,7 +275,7 @@ COMPILED = {"nn.functional.relu", "nn.functional.leaky_relu", "nn.functional.har
 COMPILED_SAMPLES = 4
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("op", [o for o in OPS if _key(o) in COMPILED], ids=_key)
 def test_opinfo_compiled_exact(op):
     results = sweep.run_op(op, n_samples=COMPILED_SAMPLES, engine="compiled")
@@ -303,7 +303,7 @@ def test_captured_sweep_replays_on_other_values_and_detects_an_unguarded_read(mo
     assert result.kind == "mismatch" and "replay on other values" in result.detail, result
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("op", OPS, ids=_key)
 def test_float32_jvps_are_as_accurate_as_torch_func(op):
     """Every op of the database in float32, against float64 references: our tangent is within 10x torch.func's own

@@ -134,7 +134,7 @@ def _op_params():
     except pytest.skip.Exception:
         return []
     key = lambda o: f"{o.name}.{o.variant_test_name}" if o.variant_test_name else o.name  # noqa: E731
-    return [pytest.param(o, id=key(o), marks=() if o.name in QUICK and not o.variant_test_name else pytest.mark.slow)
+    return [pytest.param(o, id=key(o), marks=() if o.name in QUICK and not o.variant_test_name else pytest.mark.sweep)
             for o in ops]
 
 
