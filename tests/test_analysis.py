@@ -141,6 +141,7 @@ def test_same_start_vectors_give_same_iterations_across_engines():
 
 # --------------------------------------------------------------------------- eigenvalues
 @pytest.mark.parametrize("setting", SQUARE, ids=_ids(SQUARE))
+@pytest.mark.slow
 def test_top_eigenvalues_match_eig(setting):
     model, x = _build(setting)
     J = _jacobian(model, x)
@@ -186,7 +187,8 @@ ESTIMATOR_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("case", ESTIMATOR_SETTINGS, ids=[c["id"] for c in ESTIMATOR_SETTINGS])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c["id"].startswith("unet-hutch++") else c
+                                  for c in ESTIMATOR_SETTINGS], ids=[c["id"] for c in ESTIMATOR_SETTINGS])
 def test_frobenius_estimator_is_unbiased(case):
     setting, method, distribution = case["setting"], case["method"], case["distribution"]
     model, x = _build(setting)

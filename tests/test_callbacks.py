@@ -308,6 +308,7 @@ def test_gradient_clipping_applies_to_the_regularized_gradient():
     torch.testing.assert_close(step, g * 1e-3 / g.norm(), rtol=1e-3, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
     def callbacks():
         return [JacobianRegularizer(0.5, seed=1), SpectralRegularizer(0.5, seed=2)]
@@ -587,6 +588,7 @@ def test_runtime_errors():
 # --------------------------------------------------------------------------- a short training run
 
 
+@pytest.mark.slow
 def test_training_lowers_jacobian_norm_at_comparable_accuracy():
     """sklearn digits, MLP, 4 epochs: the regularizer cuts ||J||_F (jacrev reference) by >= 2x."""
     from sklearn.datasets import load_digits

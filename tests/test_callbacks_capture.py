@@ -38,7 +38,7 @@ def _fit(net, engine, compiled=None, steps=2):
     return lit, grads.grads
 
 
-@pytest.mark.parametrize("compiled", [None, "wrapped", "in-place"],
+@pytest.mark.parametrize("compiled", [None, pytest.param("wrapped", marks=pytest.mark.slow), "in-place"],
                          ids=["plain-net", "compiled-net", "net-compiled-in-place"])
 def test_captured_callbacks_give_the_eager_gradients(compiled):
     """torch.compile(net) and net.compile(): the callbacks clone the original code (the compiled engine by default)."""

@@ -16,7 +16,8 @@ def _examples():
     out = []
     for title, body in re.findall(r"^### (.+?)\n(.*?)(?=^### |\Z)", text, re.S | re.M):
         for i, code in enumerate(re.findall(r"```python\n(.*?)```", body, re.S)):
-            out.append(pytest.param(code, id=re.sub(r"\W+", "_", title).strip("_").lower() + f"_{i}"))
+            name = re.sub(r"\W+", "_", title).strip("_").lower() + f"_{i}"  # the quick tier: the cheapest example
+            out.append(pytest.param(code, id=name, marks=() if name == "timm_vit_0" else pytest.mark.slow))
     return out
 
 

@@ -72,8 +72,9 @@ MODELS = [
 ]
 
 
-@pytest.mark.parametrize("setting", MODELS, ids=[s["id"] for s in MODELS])
-@pytest.mark.parametrize("shared", [True, False], ids=["shared", "separate"])
+@pytest.mark.parametrize("setting", [pytest.param(s, marks=pytest.mark.slow) if s["id"] == "dit" else s
+                                     for s in MODELS], ids=[s["id"] for s in MODELS])
+@pytest.mark.parametrize("shared", [pytest.param(True, marks=pytest.mark.slow), False], ids=["shared", "separate"])
 def test_loss_and_grads_match_reference(setting, shared):
     net = _randomized(setting["build"]())
     x, e, r, t, y = _batch()

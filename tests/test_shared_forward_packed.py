@@ -255,7 +255,7 @@ class AdditiveMask(nn.Module):
         return torch.softmax(self.q(x) + mask, -1)
 
 
-@pytest.mark.parametrize("entry", ["shared_forward", "regularized_forward"])
+@pytest.mark.parametrize("entry", ["shared_forward", pytest.param("regularized_forward", marks=pytest.mark.slow)])
 def test_another_argument_turning_non_finite_after_the_capture_is_guarded(entry):
     """The norms of x and u say that they are finite; another argument (an additive mask of -inf) is checked by the
     guard as before: a program recorded for a finite mask is not replayed for one holding -inf (whose softmax

@@ -38,7 +38,7 @@ def _penalties(result):
 
 
 @pytest.mark.parametrize("reg", REGULARIZERS)
-@pytest.mark.parametrize("source", ["timm_convnext", "hf_vit"])
+@pytest.mark.parametrize("source", ["timm_convnext", pytest.param("hf_vit", marks=pytest.mark.slow)])
 def test_every_regularizer_trains_timm_and_hf(tmp_path, source, reg):
     _, overrides = SOURCES[source]
     result, objects = fdr(tmp_path, *overrides, f"regularizer={reg}", "data.batch_size=8")

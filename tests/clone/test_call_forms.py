@@ -55,6 +55,7 @@ def test_the_forms_that_crashed_in_real_models(call, form):
     torch.testing.assert_close(t, t_ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_the_forms_cover_the_shape_ops_by_keyword():
     """The generated cases include the four keyword forms that crashed, by torch's own names (the generator does
     not silently produce nothing for them)."""

@@ -36,7 +36,7 @@ class WithCompiledHelper(nn.Module):
         return self.b(self.helper(self.a(x)))
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured", "compiled"])
+@pytest.mark.parametrize("engine", ["eager", "captured", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_a_compiled_helper_runs_its_original_code(engine):
     torch.manual_seed(0)
     model = WithCompiledHelper(torch.compile(gated, backend="eager")).to(D)

@@ -228,7 +228,8 @@ KERNEL_TANGENT_LAYERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(KERNEL_TANGENT_LAYERS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "sigmoid" else n
+                                  for n in KERNEL_TANGENT_LAYERS])
 def test_backward_kernel_tangents_have_exact_gradients(name):
     """d/d(params, x) of ||J u||^2 for Linear -> layer -> Linear equals finite differences (float64)."""
     torch.manual_seed(0)

@@ -58,7 +58,8 @@ def _program(model):
     return prog
 
 
-@pytest.mark.parametrize("read", sorted(READS))
+@pytest.mark.parametrize("read", [pytest.param(r, marks=pytest.mark.slow) if r == "numpy" else r
+                                  for r in sorted(READS)])
 def test_a_value_read_by_python_is_guarded_and_every_call_exact(read):
     torch.manual_seed(0)
     model = ScaledBy(READS[read])
@@ -144,7 +145,8 @@ class Positives(nn.Module):
         return torch.zeros(x.shape[0], x.shape[1], dtype=x.dtype).index_add(0, idx, torch.relu(x[idx]) * 2)
 
 
-@pytest.mark.parametrize("rows", sorted(ROWS))
+@pytest.mark.parametrize("rows", [r if r == "argwhere" else pytest.param(r, marks=pytest.mark.slow)
+                                  for r in sorted(ROWS)])
 def test_an_output_shape_that_depends_on_values_is_guarded(rows):
     torch.manual_seed(0)
     model = Positives(ROWS[rows][0])
@@ -182,7 +184,8 @@ class Function(nn.Module):
         return self.f(x)
 
 
-@pytest.mark.parametrize("name", sorted(VALUE_SHAPED))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("bincount", "masked_select") else n
+                                  for n in sorted(VALUE_SHAPED)])
 def test_value_dependent_shapes_replay_exactly_on_other_values(name):
     model = Function(VALUE_SHAPED[name])
     for seed, positives in enumerate((2, 2, 4, 1, 5)):  # rows whose first two entries are positive
@@ -283,6 +286,7 @@ class TwoLayerRouter(nn.Module):
         return self.layer(x + self.layer(x))
 
 
+@pytest.mark.slow
 def test_values_computed_from_tensors_the_forward_writes_in_place_are_guarded():
     """The guard replays the writes into tensors the forward made (``top /= ...``, ``out.index_add_``) before the
     read: captured, and exact on inputs that route differently."""
@@ -395,6 +399,7 @@ def test_same_compares_nan_as_equal_and_nothing_else():
     assert same(True, True) and not same(True, False)
 
 
+@pytest.mark.slow
 def test_hugging_face_padding_masks_are_captured_with_a_guard():
     import transformers
     from jvpreg import clone

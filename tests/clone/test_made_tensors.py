@@ -122,7 +122,8 @@ WRITES = {  # each makes the tensor it writes into (the same writes into a tenso
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("write", list(WRITES))
+@pytest.mark.parametrize("write", [pytest.param(w, marks=pytest.mark.slow) if w == "masked-setitem" else w
+                                   for w in WRITES])
 def test_each_write_into_a_made_tensor(write, engine):
     from conftest import runs_engine
 

@@ -454,6 +454,7 @@ def test_an_attribute_changed_on_every_call_runs_eagerly_after_a_few_recaptures(
     assert [p.gm is not None for p in capture.programs(model).values()] == [False]
 
 
+@pytest.mark.slow
 def test_an_attribute_changed_now_and_then_recaptures_each_time(monkeypatch):
     """An annealed dropout p, a slope changed every few epochs: each change after a steady stretch recaptures."""
     monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
@@ -563,6 +564,7 @@ def test_a_forward_that_sets_a_field_of_a_held_object_runs_eagerly_and_sets_it_o
     assert said and "sets Python attributes or module globals (Counting.settings.calls)" in said[0]
 
 
+@pytest.mark.slow
 def test_hugging_face_config_changed_after_a_capture_recaptures():
     """``config.output_hidden_states`` steers a Hugging Face forward; before, a replay returned the old outputs (the
     last layer's, 0.03 off). Now the call recaptures, and as Hugging Face then records the hidden states by forward
