@@ -11,9 +11,13 @@ compiled engines recorded, refused and replayed (``CaptureCounts``), to prove th
 result was right (eager clone mode gives the same numbers). ``runs_engine(engine, calls, refused="")`` (a context
 manager) asserts that the engine a test names ran its calls, or that their capture was refused with that reason.
 
-Slow tests (``@pytest.mark.slow``: the OpInfo sweep, DDP/FSDP workers, float32 whole-model checks,
-Hydra runs in subprocesses) are deselected unless ``--slow`` is given (or an explicit ``-m``):
-``python -m pytest tests -q`` is the quick run, ``python -m pytest tests -q --slow -n 2`` everything (CI).
+Three tiers (``tier(item)``): **sweep** (``@pytest.mark.sweep``: the op-by-op and model-by-model sweeps past their
+quick cases: OpInfo, keyword forms, replay, the model, client and capture zoos), **slow** (``@pytest.mark.slow``:
+DDP/FSDP workers, Hydra runs in subprocesses, benchmarks, whole models, and every other case that took 1 s or more in a
+quick run) and **quick** (the rest: each file keeps its cheapest tests, each sweep a few representatives).
+``python -m pytest tests -q -n 2`` is the quick run; ``--slow`` runs all three tiers (``python -m pytest tests -q
+--slow -n 2``: CI); ``--tier slow`` / ``--tier sweep`` (repeatable) runs the tiers named. An explicit ``-m`` without
+``--tier`` selects by itself (``-m sweep``: every sweep case, the captured sweep on its quick sample count).
 """
 from __future__ import annotations
 
@@ -262,9 +266,11 @@ def tier(item) -> str:
 #: slow tests in modules that do not import pytest (a marker would be its only use there), as "file::function"
 SLOW_WITHOUT_PYTEST = {
     "test_bench_clients.py::test_bench_clients_runs_one_model_and_writes_its_table",
+    "test_bench_packed_forward.py::test_the_benchmark_measures_both_ways_and_leaves_the_shared_forward_as_it_found_it",
     "test_bench_row_subset.py::test_row_subset_bench_quick_run_writes_its_tables",
     "test_op_counts.py::test_a_jvp_call_of_the_mlp_names_its_layers_and_reads_no_value_on_the_accelerator_path",
     "test_op_counts.py::test_a_regularized_batch_norm_block_launches_at_most_31_kernels_more_than_the_plain_2b_step",
+    "test_op_counts.py::test_main_writes_both_tables",
     "test_readme.py::test_readme_quickstart_runs_and_its_jvps_are_exact",
 }
 

@@ -277,6 +277,7 @@ def test_capture_benchmark_records_a_model_whose_process_failed_and_still_writes
     assert "failures: process:" in capture.to_markdown(result, meta)
 
 
+@pytest.mark.slow
 def test_capture_benchmark_runs_the_autodiff_methods_on_unfused_attention():
     """torch's fused attention (the eval-mode ``nn.MultiheadAttention`` fast path) has no forward AD: the autodiff
     methods run on the math path, as a torch.func user would, agree with the clone JVP, and leave the flags as found."""

@@ -101,7 +101,8 @@ def strip(grads):
 # --------------------------------------------------------------------------- gradients
 
 
-@pytest.mark.parametrize("make_net", [cnn_bn, mlp_dropout], ids=["batchnorm", "dropout-p0"])
+@pytest.mark.parametrize("make_net", [pytest.param(cnn_bn, marks=pytest.mark.slow), mlp_dropout],
+                         ids=["batchnorm", "dropout-p0"])
 def test_gradient_through_callback_matches_float64_reference(make_net):
     torch.manual_seed(0)
     net = make_net()

@@ -345,7 +345,8 @@ def test_output_key_selects_a_field_of_a_namedtuple_output_by_name():
 # --------------------------------------------------------------------------- torch.compile
 
 
-@pytest.mark.parametrize("module", [None, "net"], ids=["lightning-module", "compiled-net"])
+@pytest.mark.parametrize("module", [None, pytest.param("net", marks=pytest.mark.slow)],
+                         ids=["lightning-module", "compiled-net"])
 def test_compiled_network_is_regularized_exactly(module):
     """A torch.compile'd network (regularized through its LightningModule, or as the module itself) gives
     the penalty of the uncompiled network."""

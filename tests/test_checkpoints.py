@@ -270,8 +270,8 @@ EXTERNAL = {"timm": ["model=timm", "model.name=vit_tiny_patch16_224", "+model.pa
                              "model.config.intermediate_size=32"]}
 
 
-@pytest.mark.parametrize("package", [pytest.param(p, marks=pytest.mark.slow) if p == "timm" else p
-                                     for p in sorted(EXTERNAL)])
+@pytest.mark.parametrize("package", sorted(EXTERNAL))
+@pytest.mark.slow
 def test_timm_and_hugging_face_checkpoints_are_rebuilt_from_their_stored_config(tmp_path, package):
     pytest.importorskip(package)
     result, _ = train(train_cfg(tmp_path / "run", *EXTERNAL[package], "robustness.enabled=false", "test=false"))

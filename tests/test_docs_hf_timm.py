@@ -16,8 +16,7 @@ def _examples():
     out = []
     for title, body in re.findall(r"^### (.+?)\n(.*?)(?=^### |\Z)", text, re.S | re.M):
         for i, code in enumerate(re.findall(r"```python\n(.*?)```", body, re.S)):
-            name = re.sub(r"\W+", "_", title).strip("_").lower() + f"_{i}"  # the quick tier: the cheapest example
-            out.append(pytest.param(code, id=name, marks=() if name == "timm_vit_0" else pytest.mark.slow))
+            out.append(pytest.param(code, id=re.sub(r"\W+", "_", title).strip("_").lower() + f"_{i}"))
     return out
 
 
@@ -29,6 +28,7 @@ def test_the_doc_has_the_four_examples():
 
 
 @pytest.mark.parametrize("code", EXAMPLES)
+@pytest.mark.slow
 def test_example_runs_and_applies_the_regularizer(code, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     code = code.replace("pl.Trainer(", "pl.Trainer(enable_progress_bar=False, enable_model_summary=False, ")

@@ -105,6 +105,7 @@ def test_transform_images():
     assert rotated.argmax().item() // 9 == 8 and rotated.argmax().item() % 9 == 4
 
 
+@pytest.mark.slow
 def test_evaluate_robustness_keys_and_table(model, batches):
     m = evaluate_robustness(model, batches, noise_sigmas=[0.1], fgsm_eps=[0.05], pgd_eps=[0.05], pgd_steps=2,
                             rotations=[10], translations=[1], jacobian="exact")
@@ -141,6 +142,7 @@ def eval_cfg(tmp_path, ckpt, *overrides):
                                           "robustness.pgd_steps=2", "robustness.max_samples=64", *overrides])
 
 
+@pytest.mark.slow
 def test_load_checkpoint(checkpoint):
     lit, run_config = load_checkpoint(checkpoint)
     assert not lit.training and run_config["model"]["name"] == "small_cnn"

@@ -65,7 +65,7 @@ def test_registry_contents() -> None:
     assert required <= set(names)
 
 
-HEAVY_MODELS = {"densenet169", "resnet152", "vgg11", "vgg11_bn", "vgg16", "vgg19"}  # 1-5 s each: the sweep tier
+HEAVY_MODELS = {"densenet169", "resnet101", "resnet152", "vgg11", "vgg11_bn", "vgg16", "vgg19"}  # 1-5 s each: sweep
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.sweep) if n in HEAVY_MODELS else n

@@ -53,8 +53,8 @@ PENALTIES = {
 }
 
 
-def _models(names, fast=FAST):
-    return [pytest.param(n, marks=() if n in fast else pytest.mark.sweep) for n in sorted(names)]
+def _models(names):
+    return [pytest.param(n, marks=() if n in FAST else pytest.mark.sweep) for n in sorted(names)]
 
 
 def _on_meta(name):
@@ -76,7 +76,7 @@ def test_meta_reads_raise():
             read()
 
 
-@pytest.mark.parametrize("engine", ["eager", "auto"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("auto", marks=pytest.mark.sweep)])
 @pytest.mark.parametrize("penalty", sorted(PENALTIES))
 @pytest.mark.parametrize("name", _models(MODELS))
 def test_regularized_step_reads_no_value(name, penalty, engine):
@@ -96,7 +96,7 @@ def test_regularized_step_reads_no_value(name, penalty, engine):
         assert _captured(model), "the third step should replay a captured program"
 
 
-@pytest.mark.parametrize("name", _models(["cnn_bn", "vit", "lstm2"], fast=("cnn_bn",)))
+@pytest.mark.parametrize("name", _models(["cnn_bn", "vit", "lstm2"]))
 def test_shared_forward_step_reads_no_value(name):
     """The callbacks' path: the model's own call runs the clone forward from hooks, half the batch regularized."""
     model, x = _on_meta(name)

@@ -46,7 +46,7 @@ def fdr(tmp_path, *overrides):
 REGULARIZERS = ["none", "jacobian", "tangent_prop", "constraint", "param_sensitivity", "spectral", "stacked"]
 
 
-@pytest.mark.parametrize("reg", [pytest.param(r, marks=pytest.mark.slow) if r == "stacked" else r
+@pytest.mark.parametrize("reg", [r if r == "jacobian" else pytest.param(r, marks=pytest.mark.slow)
                                  for r in REGULARIZERS])
 def test_fast_dev_run_every_regularizer(tmp_path, reg):
     result, objects = fdr(tmp_path, f"regularizer={reg}")
@@ -99,6 +99,7 @@ def test_compile_must_be_a_flag_or_torch_compile_arguments(tmp_path):
         fdr(tmp_path, "compile=fast")
 
 
+@pytest.mark.slow
 def test_jacobian_monitor_callback_config(tmp_path):
     result, objects = fdr(tmp_path, "callbacks=with_monitor", "callbacks.jacobian_monitor.every_n_epochs=1",
                           "callbacks.jacobian_monitor.k=2", "callbacks.jacobian_monitor.max_samples=2",

@@ -145,7 +145,7 @@ def _check_jvp(setting, mode, engine, path):
     return model
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("setting", [pytest.param(s, marks=pytest.mark.slow) if s["name"] == "mobilenet_v3_small" else s
                                      for s in SETTINGS], ids=lambda s: s["name"])

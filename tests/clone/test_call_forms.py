@@ -68,6 +68,7 @@ def test_the_forms_cover_the_shape_ops_by_keyword():
             ("permute", "method.keywords"), ("expand", "method.keywords")} <= seen
 
 
+@pytest.mark.slow
 def test_the_sweep_detects_a_binder_that_drops_keywords(monkeypatch):
     """Mutation check: with keywords passed on unbound (the engine before), the keyword forms crash the sweep."""
     from jvpreg.clone import dispatch

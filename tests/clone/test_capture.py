@@ -96,8 +96,8 @@ SLOW = {"densenet121": (lambda: torchvision.models.densenet121(num_classes=4), (
 
 def _zoo_params():
     for name in ZOO:
-        for mode in ("train", "eval"):  # the quick tier: the small models, and the vit in eval mode
-            slow = name not in ("mlp-relu", "cnn-bn-maxpool") and (name, mode) != ("vit", "eval")
+        for mode in ("train", "eval"):  # the quick tier: the two small models
+            slow = name not in ("mlp-relu", "cnn-bn-maxpool")
             yield pytest.param(name, mode, ZOO[name], id=f"{name}-{mode}", marks=pytest.mark.sweep if slow else ())
     for name in SLOW:
         for mode in ("train", "eval"):
@@ -201,6 +201,7 @@ def test_scales_chosen_by_kernels_are_recorded_in_the_jvp_program(engine):
     assert len([n for n in program.gm.graph.nodes if n.op == "placeholder"]) == 2 + len(list(model.parameters()))
 
 
+@pytest.mark.slow
 def test_cache_hit_and_recapture_on_changed_guards():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU()).to(D)
     x, u = randn(3, 4), randn(3, 4)
@@ -551,6 +552,7 @@ def test_noise_from_an_explicit_generator_is_drawn_as_in_eager_mode(how, reason)
     assert [p.gm is not None for p in capture.programs(model).values()] == [reason is None]
 
 
+@pytest.mark.slow
 def test_dropout_program_is_checked_once_and_kept():
     """The generator check at capture keeps a plain dropout forward captured, and leaves the caller's generator where
     an eager call leaves it."""
@@ -873,7 +875,8 @@ class _Scaled(nn.Module):
         return torch.relu(self.lin(x)) * self.scale
 
 
-@pytest.mark.parametrize("engine", ["captured", pytest.param("compiled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("engine", ["captured", "compiled"])
+@pytest.mark.slow
 def test_a_captured_module_is_freed_with_its_programs_when_the_caller_drops_it(engine):
     """The records live in a weak-keyed dict: a record that held its module strongly kept every module ever
     captured (and its programs) alive for the life of the process."""

@@ -97,7 +97,7 @@ def assert_equal_lists(got, want, rtol):
 @pytest.mark.parametrize("weights", [False, True], ids=["input", "input+weights"])
 @pytest.mark.parametrize("block", [{}, {"bn": True}, {"drop": 0.3}, {"bn": True, "drop": 0.3}],
                          ids=["plain", "batchnorm", "dropout", "batchnorm+dropout"])
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradients_equal_those_without_checkpointing(reentrant, engine, block, weights):
     torch.manual_seed(0)
@@ -317,9 +317,8 @@ REGION_PENALTIES = {
 
 
 @pytest.mark.parametrize("penalty", sorted(REGION_PENALTIES))
-@pytest.mark.parametrize("layout", ["kwargs_and_tuple", "nested", "sequential", "selective", "reentrant",
-                                    pytest.param("value_read", marks=pytest.mark.slow),
-                                    pytest.param("no_grad_edges", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", ["kwargs_and_tuple", *(pytest.param(layout, marks=pytest.mark.slow) for layout in (
+    "nested", "sequential", "selective", "reentrant", "value_read", "no_grad_edges"))])
 def test_nested_keyword_and_sequential_regions(layout, penalty):
     torch.manual_seed(0)
     base = Regions().to(D)

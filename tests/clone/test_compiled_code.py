@@ -55,6 +55,7 @@ def test_a_compiled_helper_runs_its_original_code(engine):
         n.ran_programs(2)
 
 
+@pytest.mark.slow
 def test_the_compiled_engine_still_compiles_inside_a_clone_forward():
     """The callbacks run the clone forward inside ``functions.active()``: the compiled engine's program must not
     inherit the forced-eager stance there."""

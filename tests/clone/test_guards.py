@@ -58,7 +58,7 @@ def _program(model):
     return prog
 
 
-@pytest.mark.parametrize("read", [pytest.param(r, marks=pytest.mark.slow) if r == "numpy" else r
+@pytest.mark.parametrize("read", [r if r == "item" else pytest.param(r, marks=pytest.mark.slow)
                                   for r in sorted(READS)])
 def test_a_value_read_by_python_is_guarded_and_every_call_exact(read):
     torch.manual_seed(0)
@@ -76,6 +76,7 @@ def test_a_value_read_by_python_is_guarded_and_every_call_exact(read):
     assert len(prog.variants) == 2
 
 
+@pytest.mark.slow
 def test_values_that_change_on_every_call_end_in_eager_mode_with_one_warning():
     torch.manual_seed(0)
     model = ScaledBy(READS["item"])
@@ -145,8 +146,8 @@ class Positives(nn.Module):
         return torch.zeros(x.shape[0], x.shape[1], dtype=x.dtype).index_add(0, idx, torch.relu(x[idx]) * 2)
 
 
-@pytest.mark.parametrize("rows", [r if r == "argwhere" else pytest.param(r, marks=pytest.mark.slow)
-                                  for r in sorted(ROWS)])
+@pytest.mark.parametrize("rows", sorted(ROWS))
+@pytest.mark.slow
 def test_an_output_shape_that_depends_on_values_is_guarded(rows):
     torch.manual_seed(0)
     model = Positives(ROWS[rows][0])
@@ -314,6 +315,7 @@ class BranchOnAccumulated(nn.Module):
         return torch.relu(x) * out if out.sum() > 0 else torch.tanh(x) * out
 
 
+@pytest.mark.slow
 def test_a_branch_on_a_tensor_filled_in_place_replays_the_program_recorded_for_each_side():
     torch.manual_seed(0)
     model = BranchOnAccumulated()
@@ -359,6 +361,7 @@ def test_a_read_no_guard_can_re_check_runs_eagerly_with_a_warning_that_says_why(
     assert torch.equal(t, t_ref)
 
 
+@pytest.mark.slow
 def test_running_statistics_are_updated_once_per_call_whichever_program_runs():
     torch.manual_seed(0)
     model = BranchAfterBatchNorm(first_input).to(D).train()
@@ -471,6 +474,7 @@ class PaddedByCount(nn.Module):
         return torch.cat([torch.tanh(x), torch.zeros(x.shape[0], count, dtype=x.dtype)], 1)
 
 
+@pytest.mark.slow
 def test_a_tensor_passed_as_a_number_is_read_and_guarded():
     torch.manual_seed(0)
     model = PaddedByCount()

@@ -115,15 +115,14 @@ def _failures(results):
     return [r for r in results if r.kind in ("mismatch", "crash")]
 
 
-# one op per rule family (QUICK): the cheapest of them (QUICK_TIER, under a second each) run in the quick tier; the
-# others and the whole database in the sweep tier (--slow: CI, or --tier sweep)
+# one op per rule family (QUICK): the cheapest six (QUICK_TIER) run in the quick tier; the others and the whole
+# database in the sweep tier (--slow: CI, or --tier sweep)
 QUICK = {"nn.functional.relu", "nn.functional.gelu", "tanh", "softmax", "log_softmax", "masked_fill", "where",
          "matmul", "nn.functional.conv2d", "nn.functional.layer_norm", "nn.functional.batch_norm",
          "nn.functional.max_pool2d", "nn.functional.scaled_dot_product_attention", "nn.functional.embedding",
          "amax", "logsumexp", "cumsum", "index_put", "scatter_add", "clamp", "mul", "div.no_rounding_mode",
          "cdist", "scatter_reduce.prod", "half", "nn.functional.linear_cross_entropy.chunked"}
-QUICK_TIER = QUICK - {"nn.functional.conv2d", "nn.functional.linear_cross_entropy.chunked", "cdist",
-                      "nn.functional.scaled_dot_product_attention", "scatter_reduce.prod", "nn.functional.batch_norm"}
+QUICK_TIER = {"nn.functional.relu", "tanh", "softmax", "cumsum", "nn.functional.embedding", "half"}
 
 
 def _key(op) -> str:
@@ -140,13 +139,13 @@ def test_opinfo_exact_or_clear_error(op):
 # module and recorded into a program, whose passes and replay must stay exact. A forward it cannot capture (an op
 # without a rule takes the fallback, which runs eagerly only) runs eagerly: exact, and counted (``Result.capture``),
 # so that an op with a rule must be captured in at least one case: the test cannot pass by never capturing.
-# The quick tier: relu and tanh (QUICK_TIER_CAPTURED; the other rule families of QUICK take 3-25 s each), 20 samples
+# The quick tier: tanh (QUICK_TIER_CAPTURED; the other rule families of QUICK take 2-25 s each), 20 samples
 # each (the first are often 0-d; SDPA's first captured case is its 17th). The sweep tier (--slow: CI, or --tier sweep):
 # the rule families of QUICK (the fallback-only ops there run eagerly) on all N_SAMPLES, every other op
 # on every SLOW_EVERY-th of them (``sweep.strided``: the first, the last and evenly between, 11 of 40; all 40 of
 # every op took 32 minutes on 2 cores, a third of CI's limit; the eager sweep takes all 40 of every op).
 QUICK_CAPTURED = QUICK - {"cdist", "scatter_reduce.prod", "half", "nn.functional.linear_cross_entropy.chunked"}
-QUICK_TIER_CAPTURED = {"nn.functional.relu", "tanh"}
+QUICK_TIER_CAPTURED = {"tanh"}
 QUICK_CAPTURED_SAMPLES = 20
 SLOW_EVERY = 4
 

@@ -146,6 +146,7 @@ def _vit():
 
 
 @pytest.mark.parametrize("infinite", ["x", "u"])
+@pytest.mark.slow
 def test_a_vit_with_an_infinite_input_keeps_no_fix_and_equals_the_eager_engine(infinite):
     """An infinite entry in the data or the direction (what a device's program must allow for): the ViT's smooth
     ops all read layer-normed rows (finite or NaN), so its program holds no non-finite fix, and it gives the eager
@@ -208,6 +209,7 @@ def test_jvp_of_a_module_is_one_program_with_pack_and_unpack():
     assert len(capture.programs(model)) == 1
 
 
+@pytest.mark.slow
 def test_captured_transformer_block_uses_the_passes():
     torch.manual_seed(0)
     model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True,
