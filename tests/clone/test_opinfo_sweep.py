@@ -157,10 +157,10 @@ def test_opinfo_captured_exact_or_clear_error(op, request):
 
 
 # The accelerator's path (``jvpreg.clone.device_paths.accelerator_path``: scales chosen by kernels, the non-finite
-# fixes kept where an infinity can reach, the device's BatchNorm forms), taken on the CPU. All in the sweep tier
-# (13-64 s each; tests/clone/test_accelerator_path.py runs the path in the quick tier): the rule families of QUICK and
-# every norm, the batch norms (ACCELERATOR_QUICK, whose rules branch on the device) on all N_SAMPLES, the others on
-# every SLOW_EVERY-th (all 40 of all took 10 minutes).
+# fixes kept where an infinity can reach, the device's BatchNorm forms), taken on the CPU. The quick run: the batch
+# norms' sweeps took 13-64 s each, so none: all in the sweep tier (tests/clone/test_accelerator_path.py takes the path
+# in the quick tier), the rule families of QUICK and every norm, the batch norms (ACCELERATOR_QUICK, whose rules branch
+# on the device) on all N_SAMPLES, the others on every SLOW_EVERY-th (all 40 of all took 10 minutes).
 ACCELERATOR_QUICK = {"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
                      "nn.functional.batch_norm", "nn.functional.instance_norm"}
 ACCELERATOR = QUICK_CAPTURED | {_key(o) for o in OPS if "norm" in _key(o)}
