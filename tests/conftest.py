@@ -11,9 +11,13 @@ compiled engines recorded, refused and replayed (``CaptureCounts``), to prove th
 result was right (eager clone mode gives the same numbers). ``runs_engine(engine, calls, refused="")`` (a context
 manager) asserts that the engine a test names ran its calls, or that their capture was refused with that reason.
 
-Slow tests (``@pytest.mark.slow``: the OpInfo sweep, DDP/FSDP workers, float32 whole-model checks,
-Hydra runs in subprocesses) are deselected unless ``--slow`` is given (or an explicit ``-m``):
-``python -m pytest tests -q`` is the quick run, ``python -m pytest tests -q --slow -n 2`` everything (CI).
+Three tiers (``tier(item)``): **sweep** (``@pytest.mark.sweep``: the op-by-op and model-by-model sweeps past their
+quick cases: OpInfo, keyword forms, replay, the model, client and capture zoos), **slow** (``@pytest.mark.slow``:
+DDP/FSDP workers, Hydra runs in subprocesses, benchmarks, whole models, and every other case that took 1 s or more in a
+quick run) and **quick** (the rest: each file keeps its cheapest tests, each sweep a few representatives).
+``python -m pytest tests -q -n 2`` is the quick run; ``--slow`` runs all three tiers (``python -m pytest tests -q
+--slow -n 2``: CI); ``--tier slow`` / ``--tier sweep`` (repeatable) runs the tiers named. An explicit ``-m`` without
+``--tier`` selects by itself (``-m sweep``: every sweep case, the captured sweep on its quick sample count).
 """
 from __future__ import annotations
 
@@ -250,6 +254,33 @@ def load_script(name: str):
     return module
 
 
+TIERS = ("quick", "slow", "sweep")
+
+
+def tier(item) -> str:
+    """A test's tier: ``sweep`` if marked sweep, else ``slow`` if marked slow, else ``quick``."""
+    if item.get_closest_marker("sweep") is not None:
+        return "sweep"
+    return "slow" if item.get_closest_marker("slow") is not None else "quick"
+
+
+#: slow tests in modules that do not import pytest (a marker would be its only use there), as "file::function"
+SLOW_WITHOUT_PYTEST = {
+    "test_bench_clients.py::test_bench_clients_runs_one_model_and_writes_its_table",
+    "test_bench_packed_forward.py::test_the_benchmark_measures_both_ways_and_leaves_the_shared_forward_as_it_found_it",
+    "test_bench_row_subset.py::test_row_subset_bench_quick_run_writes_its_tables",
+    "test_op_counts.py::test_a_jvp_call_of_the_mlp_names_its_layers_and_reads_no_value_on_the_accelerator_path",
+    "test_op_counts.py::test_a_regularized_batch_norm_block_launches_at_most_31_kernels_more_than_the_plain_2b_step",
+    "test_op_counts.py::test_main_writes_both_tables",
+    "test_readme.py::test_readme_quickstart_runs_and_its_jvps_are_exact",
+}
+
+
+def pytest_itemcollected(item):
+    if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in SLOW_WITHOUT_PYTEST:
+        item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config):
     """Under pytest-xdist (``-n 2``: CI) each worker is one of two processes on two cores: one intra-op thread
     each, or they fight over the cores."""
@@ -259,13 +290,19 @@ def pytest_configure(config):
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False,
-                     help="also run the tests marked slow (CI runs everything)")
+                     help="run every tier: quick, slow and sweep (CI runs everything)")
+    parser.addoption("--tier", action="append", default=[], choices=TIERS,
+                     help="run only this tier (repeat the option for several); default: quick, or all with --slow")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--slow") or config.getoption("markexpr"):
+    """Deselect the tiers a run does not select: all run with ``--slow``; those named by ``--tier``; else the quick
+    tier. An explicit ``-m`` without ``--tier`` selects by itself (``-m sweep``: every test marked sweep)."""
+    chosen = set(config.getoption("--tier"))
+    if config.getoption("--slow") or (config.getoption("markexpr") and not chosen):
         return
-    slow = [item for item in items if item.get_closest_marker("slow") is not None]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    chosen = chosen or {"quick"}
+    left = [item for item in items if tier(item) not in chosen]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if tier(item) in chosen]

@@ -277,6 +277,7 @@ def test_capture_benchmark_records_a_model_whose_process_failed_and_still_writes
     assert "failures: process:" in capture.to_markdown(result, meta)
 
 
+@pytest.mark.slow
 def test_capture_benchmark_runs_the_autodiff_methods_on_unfused_attention():
     """torch's fused attention (the eval-mode ``nn.MultiheadAttention`` fast path) has no forward AD: the autodiff
     methods run on the math path, as a torch.func user would, agree with the clone JVP, and leave the flags as found."""
@@ -345,6 +346,7 @@ def test_train_benchmark_compares_double_backprop_with_the_compiled_engine(tmp_p
     assert "nan" not in md  # no plain_2b in this run: its ratio cells are empty
 
 
+@pytest.mark.slow
 def test_train_benchmark_autocast_runs_each_steps_forward_in_bfloat16(tmp_path):
     """``--autocast bf16``: the forward and penalty of every method under torch.autocast (the GPU tables' bf16 rows),
     so each step keeps bfloat16 activations for backward; the gradient check stays in float64."""
@@ -424,6 +426,7 @@ def test_train_benchmark_checkpoints_blocks_and_the_clone_step_keeps_its_gradien
         train.checkpoint_blocks(train.build("mlp")[0])
 
 
+@pytest.mark.slow
 def test_train_benchmark_interrupted_in_its_gradient_checks_still_writes_its_timings(tmp_path, monkeypatch):
     """A time limit's SIGINT while the float64 gradient checks run (the compiled engine recompiles for them: on an
     H100 the ViT's table was lost so) ends the run with 130, after the tables with every timing measured."""
@@ -450,6 +453,7 @@ def test_train_benchmark_interrupted_in_its_gradient_checks_still_writes_its_tim
     assert "grad check: not run (interrupted)" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow
 def test_capture_benchmark_runs_the_neural_operator():
     """FNO-2d as its reference code is written (complex weights, modes written into ``torch.zeros``): the captured
     engine replays the eager one's JVP exactly, and torch.func.jvp agrees to float32 rounding."""

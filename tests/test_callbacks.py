@@ -101,7 +101,8 @@ def strip(grads):
 # --------------------------------------------------------------------------- gradients
 
 
-@pytest.mark.parametrize("make_net", [cnn_bn, mlp_dropout], ids=["batchnorm", "dropout-p0"])
+@pytest.mark.parametrize("make_net", [pytest.param(cnn_bn, marks=pytest.mark.slow), mlp_dropout],
+                         ids=["batchnorm", "dropout-p0"])
 def test_gradient_through_callback_matches_float64_reference(make_net):
     torch.manual_seed(0)
     net = make_net()
@@ -308,6 +309,7 @@ def test_gradient_clipping_applies_to_the_regularized_gradient():
     torch.testing.assert_close(step, g * 1e-3 / g.norm(), rtol=1e-3, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
     def callbacks():
         return [JacobianRegularizer(0.5, seed=1), SpectralRegularizer(0.5, seed=2)]
@@ -587,6 +589,7 @@ def test_runtime_errors():
 # --------------------------------------------------------------------------- a short training run
 
 
+@pytest.mark.slow
 def test_training_lowers_jacobian_norm_at_comparable_accuracy():
     """sklearn digits, MLP, 4 epochs: the regularizer cuts ||J||_F (jacrev reference) by >= 2x."""
     from sklearn.datasets import load_digits

@@ -38,7 +38,7 @@ def _fit(net, engine, compiled=None, steps=2):
     return lit, grads.grads
 
 
-@pytest.mark.parametrize("compiled", [None, "wrapped", "in-place"],
+@pytest.mark.parametrize("compiled", [None, pytest.param("wrapped", marks=pytest.mark.slow), "in-place"],
                          ids=["plain-net", "compiled-net", "net-compiled-in-place"])
 def test_captured_callbacks_give_the_eager_gradients(compiled):
     """torch.compile(net) and net.compile(): the callbacks clone the original code (the compiled engine by default)."""
@@ -79,6 +79,7 @@ class _EpochScheduled(Lit):
         return self.net(x) * (10.0 if self.current_epoch >= 1 else 1.0)
 
 
+@pytest.mark.slow
 def test_a_forward_that_reads_the_epoch_recaptures_when_it_changes():
     """``current_epoch`` is ``trainer.fit_loop.epoch_progress.current.completed``: before, only the trainer object
     was re-checked, and the program captured in epoch 0 kept scaling by 1 in epoch 1 (penalty gradients 100x off,

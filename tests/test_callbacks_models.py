@@ -161,6 +161,7 @@ def test_bert_inputs_embeds_penalty_matches_torch_func():
     assert cb.last_value == pytest.approx(float(ju.pow(2).sum() / 4), rel=1e-8)
 
 
+@pytest.mark.slow
 def test_bert_with_padding_masks_is_captured_and_equals_the_eager_engine():
     """The mask preparation reads the mask's values (``mask.all()``): guarded, one program for padded batches and
     one for full ones, every penalty equal to the eager engine's."""
@@ -345,7 +346,8 @@ def test_output_key_selects_a_field_of_a_namedtuple_output_by_name():
 # --------------------------------------------------------------------------- torch.compile
 
 
-@pytest.mark.parametrize("module", [None, "net"], ids=["lightning-module", "compiled-net"])
+@pytest.mark.parametrize("module", [None, pytest.param("net", marks=pytest.mark.slow)],
+                         ids=["lightning-module", "compiled-net"])
 def test_compiled_network_is_regularized_exactly(module):
     """A torch.compile'd network (regularized through its LightningModule, or as the module itself) gives
     the penalty of the uncompiled network."""
@@ -386,7 +388,7 @@ def test_validation_jacobian_and_monitor_take_the_output_key():
         JacobianMonitor(output_key=["logits"])
 
 
-@pytest.mark.parametrize("engine", ["auto", "eager"])
+@pytest.mark.parametrize("engine", [pytest.param("auto", marks=pytest.mark.slow), "eager"])
 def test_hf_gradient_checkpointing_in_a_fit_has_the_gradients_without_it(engine):
     """``gradient_checkpointing_enable()``: the regularized step's gradients equal those without checkpointing."""
     torch.manual_seed(0)

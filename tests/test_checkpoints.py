@@ -94,6 +94,7 @@ def write(path, obj, **kwargs):
 # ---------------------------------------------------------------- round trip
 
 
+@pytest.mark.slow
 def test_round_trip_train_eval_resume(tmp_path, trained, ckpt):
     result, steps = trained
     assert result["metrics"]["test/acc"] >= 0 and "robustness/clean_acc" in result["metrics"]
@@ -270,6 +271,7 @@ EXTERNAL = {"timm": ["model=timm", "model.name=vit_tiny_patch16_224", "+model.pa
 
 
 @pytest.mark.parametrize("package", sorted(EXTERNAL))
+@pytest.mark.slow
 def test_timm_and_hugging_face_checkpoints_are_rebuilt_from_their_stored_config(tmp_path, package):
     pytest.importorskip(package)
     result, _ = train(train_cfg(tmp_path / "run", *EXTERNAL[package], "robustness.enabled=false", "test=false"))

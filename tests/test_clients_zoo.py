@@ -58,9 +58,9 @@ REFERENCE = {"xt_encoder": "double_backward", "xt_decoder": "double_backward"}
 #: 1e3-1e5 per output element (timm's ResNet-18 zero-inits each block's last BatchNorm scale and stays quiet).
 SCALE_WARNS = {"tv_resnet18", "smp_unet"}
 
-#: the quick run: eval mode of every client, train mode of the BatchNorm ones (train-mode statistics must be exact)
-SLOW_EVAL = {"unet2d_condition", "timm_convnext", "tv_mobilenet_v3", "monai_unet", "smp_unet"}
-QUICK_TRAIN = {"timm_resnet18"}
+#: the quick tier: eval mode of the cheapest client (1-9 s each); the sweep tier: eval mode of every other client,
+#: train mode of the BatchNorm ones (train-mode statistics must be exact)
+QUICK_EVAL = {"tv_vit"}
 
 
 @contextlib.contextmanager
@@ -109,11 +109,8 @@ def _params(mode):
     for c in [*CLIENTS, MEAN_FLOW]:
         if mode == "train" and c.name in SAME_IN_TRAIN | COSTLY_CAPTURE_IN_TRAIN:
             continue
-        if mode == "eval":
-            slow = c.name in SLOW_EVAL
-        else:
-            slow = c.name not in QUICK_TRAIN
-        out.append(pytest.param(c.name, marks=[pytest.mark.slow] if slow else [], id=c.name))
+        slow = mode == "train" or c.name not in QUICK_EVAL
+        out.append(pytest.param(c.name, marks=[pytest.mark.sweep] if slow else [], id=c.name))
     return out
 
 
@@ -164,6 +161,7 @@ def test_zoo_covers_twenty_models_from_eight_libraries_and_every_call_form():
     assert set(REFERENCE) | set(SCALE_WARNS) | {n for n, _ in EAGER} <= {c.name for c in CLIENTS}
 
 
+@pytest.mark.slow
 def test_fno_after_torch_func_on_the_same_module():
     """neuraloperator's grid embedding caches the grid it made in the first call; made inside ``torch.func.jvp``, it
     is a transform-wrapped tensor, which the capture refuses to hold as a constant (``_check_constants``): the
@@ -182,6 +180,7 @@ def test_fno_after_torch_func_on_the_same_module():
     assert [p.gm is None for p in programs(model).values()] == [True]
 
 
+@pytest.mark.slow
 def test_mean_flow_tangents_reach_the_time_input():
     """The mean-flow JVP's tangent ``(v, 1, 0)``: ``d/dt`` differs from the ``z``-only JVP (the ``t`` direction is
     not dropped), and ``r``'s zero tangent is ``-d/dr`` of ``t``'s one only through ``t - r`` (checked as a sum)."""
@@ -257,8 +256,8 @@ def fit_client(name: str, steps: int = 3, b: int = 2, weight: float = 1e-3) -> d
             "capture_warned": [str(w.message) for w in caught if issubclass(w.category, JVPCaptureWarning)]}
 
 
-@pytest.mark.parametrize("name", [pytest.param(c.name, marks=[] if c.name == "timm_resnet18" else
-                                               [pytest.mark.slow]) for c in CLIENTS])
+@pytest.mark.sweep
+@pytest.mark.parametrize("name", [c.name for c in CLIENTS])
 def test_client_fit_with_jacobian_regularizer(name):
     got = fit_client(name)
     assert got["steps"] == 3, got

@@ -63,7 +63,12 @@ def test_default_config():
     assert cfg.regularizer.callbacks.jacobian.weight == cfg.regularizer.weight
 
 
-@pytest.mark.parametrize("group, option", [(g, o) for g in GROUPS if g not in ("paths", "hydra") for o in options(g)])
+QUICK_MODELS = ("mlp", "small_cnn")  # the quick tier's model options; the others (0.3 s a compose) in the sweep tier
+
+
+@pytest.mark.parametrize("group, option", [
+    pytest.param(g, o, marks=pytest.mark.sweep if g == "model" and o not in QUICK_MODELS else ())
+    for g in GROUPS if g not in ("paths", "hydra") for o in options(g)])
 def test_every_option_composes_and_resolves(group, option):
     overrides = [f"{group}={option}"]
     if group == "model" and option in ("vgg11", "vgg11_bn", "vgg16", "vgg19", "densenet121", "densenet169",
@@ -81,7 +86,8 @@ def test_every_option_composes_and_resolves(group, option):
 EXTERNAL_MODELS = {"timm": "build_timm", "hf": "build_hf", "hf_convnext": "build_hf", "hf_swin": "build_hf"}
 
 
-@pytest.mark.parametrize("name", [o for o in options("model") if o not in EXTERNAL_MODELS])
+@pytest.mark.parametrize("name", [pytest.param(o, marks=() if o in QUICK_MODELS else pytest.mark.sweep)
+                                  for o in options("model") if o not in EXTERNAL_MODELS])
 def test_model_configs_name_registered_architectures(name):
     cfg = make_cfg([f"model={name}"])
     assert cfg.model.name == name and name in list_models()
@@ -235,6 +241,7 @@ def test_unknown_group_option_lists_the_choices():
         make_cfg(["regularizer=foo"])
 
 
+@pytest.mark.slow
 def test_hydra_is_imported_only_by_the_entry_points():
     """``import jvpreg`` (and its subpackages) must not import Hydra: only train/evaluate/conf do (and
     ``generative/run.py``, which only ``train.py`` imports, when a config has a ``generative`` node)."""

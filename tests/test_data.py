@@ -75,6 +75,7 @@ def test_digits_type_errors():
         DigitsDataModule(batch_size=3.5)
 
 
+@pytest.mark.slow
 def test_synthetic_shapes_determinism_and_balance():
     dm = SyntheticDataModule(in_channels=3, size=32, num_classes=10, n_train=200, n_test=300, batch_size=8)
     dm.setup()

@@ -28,6 +28,7 @@ def test_the_doc_has_the_four_examples():
 
 
 @pytest.mark.parametrize("code", EXAMPLES)
+@pytest.mark.slow
 def test_example_runs_and_applies_the_regularizer(code, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     code = code.replace("pl.Trainer(", "pl.Trainer(enable_progress_bar=False, enable_model_summary=False, ")

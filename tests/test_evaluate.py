@@ -40,6 +40,7 @@ def per_sample_jacobian(model, x):
     return torch.func.vmap(torch.func.jacrev(lambda z: model(z[None])[0]))(x).detach()
 
 
+@pytest.mark.slow
 def test_exact_jacobian_norm_matches_torch_func(model, batches):
     res = jacobian_frobenius(model, batches, method="exact", max_rows=100)  # forces tangent chunking
     assert model.training  # mode restored
@@ -51,6 +52,7 @@ def test_exact_jacobian_norm_matches_torch_func(model, batches):
     assert res["jacobian_fro_sq"] == pytest.approx(float(norms.pow(2).mean()), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_hutchinson_jacobian_norm_is_close(model, batches):
     exact = jacobian_frobenius(model, batches, method="exact")["jacobian_fro_sq"]
     est = jacobian_frobenius(model, batches, method="hutchinson", n_projections=512)
@@ -103,6 +105,7 @@ def test_transform_images():
     assert rotated.argmax().item() // 9 == 8 and rotated.argmax().item() % 9 == 4
 
 
+@pytest.mark.slow
 def test_evaluate_robustness_keys_and_table(model, batches):
     m = evaluate_robustness(model, batches, noise_sigmas=[0.1], fgsm_eps=[0.05], pgd_eps=[0.05], pgd_steps=2,
                             rotations=[10], translations=[1], jacobian="exact")
@@ -139,12 +142,14 @@ def eval_cfg(tmp_path, ckpt, *overrides):
                                           "robustness.pgd_steps=2", "robustness.max_samples=64", *overrides])
 
 
+@pytest.mark.slow
 def test_load_checkpoint(checkpoint):
     lit, run_config = load_checkpoint(checkpoint)
     assert not lit.training and run_config["model"]["name"] == "small_cnn"
     assert lit.net(torch.rand(2, 1, 8, 8)).shape == (2, 10)
 
 
+@pytest.mark.slow
 def test_jvpreg_eval_reports_table_and_json(tmp_path, checkpoint, capsys):
     report = evaluate(eval_cfg(tmp_path, checkpoint))
     out = capsys.readouterr().out

@@ -36,11 +36,13 @@ def test_gpu_benchmarks_needs_an_outdir():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error where torch sees no GPU")
+@pytest.mark.slow
 def test_gpu_benchmarks_without_a_gpu_says_to_dry_run(tmp_path):
     proc = _run(str(tmp_path))
     assert proc.returncode == 2 and "use --dry-run on a CPU" in proc.stderr
 
 
+@pytest.mark.slow
 def test_benchmark_modules_import_without_hydra_or_wandb():
     code = ("import sys\n"
             "for m in ('hydra', 'omegaconf', 'wandb'):\n"

@@ -331,6 +331,7 @@ def test_tangent_vectors_match_finite_differences(transform, kw):
         assert err < (0.03 if method == "central" else 0.05), (method, float(err))
 
 
+@pytest.mark.slow
 def test_spectral_power_iteration_converges_to_top_singular_value():
     torch.manual_seed(0)
     model = mlp_tanh().to(F64)

@@ -74,6 +74,7 @@ MODELS = [
 
 @pytest.mark.parametrize("setting", MODELS, ids=[s["id"] for s in MODELS])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "separate"])
+@pytest.mark.slow
 def test_loss_and_grads_match_reference(setting, shared):
     net = _randomized(setting["build"]())
     x, e, r, t, y = _batch()
@@ -88,6 +89,7 @@ def test_loss_and_grads_match_reference(setting, shared):
         assert_tree_close(_grads(got, net), want_g, what=f"grads (call {call})")
 
 
+@pytest.mark.slow
 def test_stop_gradient_is_what_the_test_sees():
     """Without the stop-gradient the gradients differ by far more than the tolerance: the comparison above can fail."""
     net = _randomized(MODELS[0]["build"]())

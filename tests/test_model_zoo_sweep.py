@@ -31,8 +31,9 @@ def test_exact_hardsigmoid_has_slope_one_sixth_in_float64(zoo):
     torch.testing.assert_close(t, u / 6, rtol=1e-15, atol=0)
 
 
+@pytest.mark.sweep  # 30-60 s a model
 @pytest.mark.parametrize("source, name", [("timm", "test_resnet"), ("hf", "llama"),
-                                          pytest.param("hf", "mixtral", marks=pytest.mark.slow)])  # MoE routing
+                                          pytest.param("hf", "mixtral")])  # MoE routing
 def test_check_one_finds_both_engines_exact(zoo, source, name):
     row = zoo.check_one(source, name)
     assert row["verdict"] == "exact", row
@@ -60,6 +61,7 @@ def test_markdown_lists_every_row(zoo):
     assert "0.0e+00 (regularized step, eager and auto)" in md and "timed out" in md and "error 1, exact 1" in md
 
 
+@pytest.mark.slow
 def test_checkpointing_column_compares_only_models_whose_checkpointed_forward_is_the_same(zoo):
     class Net(torch.nn.Module):
         def __init__(self, changes):

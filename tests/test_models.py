@@ -65,7 +65,11 @@ def test_registry_contents() -> None:
     assert required <= set(names)
 
 
-@pytest.mark.parametrize("name", list_models())
+HEAVY_MODELS = {"densenet169", "resnet101", "resnet152", "vgg11", "vgg11_bn", "vgg16", "vgg19"}  # 1-5 s each: sweep
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.sweep) if n in HEAVY_MODELS else n
+                                  for n in list_models()])
 def test_every_model_builds_and_runs(name: str) -> None:
     c, h, w = _input_shape(name)
     model = build_model(name, in_channels=c, num_classes=NUM_CLASSES, image_size=(h, w)).eval()

@@ -81,6 +81,7 @@ def _metrics(trainer):
     return [{k: v for k, v in r.items() if v != ""} for r in rows]
 
 
+@pytest.mark.slow
 def test_monitor_logs_metrics_and_writes_png(tmp_path):
     cb = JacobianMonitor(k=K, n_samples=8, max_samples=3)
     trainer, module = _fit(tmp_path, cb)
@@ -123,6 +124,7 @@ def test_monitor_restores_train_mode_and_leaves_grads(tmp_path):
     assert cb.last_plot_path is None and "jacobian/sigma_2" in cb.last_metrics
 
 
+@pytest.mark.slow
 def test_monitor_user_batch_dict_batches_and_every_n(tmp_path):
     x = torch.randn(2, 1, 8, 8)
     x0 = x.clone()

@@ -23,7 +23,7 @@ from jvpreg.losses import (JacobianFrobenius, JacobianSpectralNorm, JVPConstrain
                            TangentProp, regularized_forward)
 
 META = torch.device("meta")
-FAST = ("mlp", "cnn_bn")  # the default run; every other model with --slow
+FAST = ("mlp",)  # the quick tier; every other model in the sweep tier (--slow)
 
 
 def _cnn_bn():
@@ -54,7 +54,7 @@ PENALTIES = {
 
 
 def _models(names):
-    return [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in sorted(names)]
+    return [pytest.param(n, marks=() if n in FAST else pytest.mark.sweep) for n in sorted(names)]
 
 
 def _on_meta(name):
@@ -76,7 +76,7 @@ def test_meta_reads_raise():
             read()
 
 
-@pytest.mark.parametrize("engine", ["eager", "auto"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("auto", marks=pytest.mark.sweep)])
 @pytest.mark.parametrize("penalty", sorted(PENALTIES))
 @pytest.mark.parametrize("name", _models(MODELS))
 def test_regularized_step_reads_no_value(name, penalty, engine):

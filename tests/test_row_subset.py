@@ -137,6 +137,7 @@ def test_exact_expectation_over_every_subset(monkeypatch):
     assert torch.stack(values).std() > 1e-3 * full  # the subsets do differ: the check above is not trivial
 
 
+@pytest.mark.slow
 def test_random_subsets_and_directions_estimate_the_frobenius_norm():
     """Mean of N seeded estimates vs ``mean_b ||J(x_b)||_F²`` (torch.func.jacrev), within 4 standard errors."""
     model, x = mlp(F64), torch.randn(8, 5, dtype=F64)

@@ -148,6 +148,7 @@ class _Context:
         self.x, self.rows, self.output, self.target = x, x.shape[0], None, None
 
 
+@pytest.mark.slow
 def test_packed_step_on_the_accelerator_path_chooses_its_scales_inside_the_program():
     torch.manual_seed(0)
     net = cnn_bn().to(D).train()
@@ -200,6 +201,7 @@ def test_calls_the_program_cannot_pack_take_the_clone_batch(obstacle):
         assert all(s == (4, 2) for s in seen)
 
 
+@pytest.mark.slow
 def test_an_input_passed_twice_packs_outside_the_program():
     """``model(x, x)``: only the regularized argument carries the directions (the pre-hook's choice), so the call
     packs outside the program, where the other argument stays plain; another tensor of the same values packs inside."""
@@ -257,6 +259,7 @@ class AdditiveMask(nn.Module):
 
 
 @pytest.mark.parametrize("entry", ["shared_forward", "regularized_forward"])
+@pytest.mark.slow
 def test_another_argument_turning_non_finite_after_the_capture_is_guarded(entry):
     """The norms of x and u say that they are finite; another argument (an additive mask of -inf) is checked by the
     guard as before: a program recorded for a finite mask is not replayed for one holding -inf (whose softmax

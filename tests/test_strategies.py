@@ -302,6 +302,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_finished_worker_rank_ends_without_interpreter_teardown(tmp_path):
     """The app's worker ranks end with ``os._exit(0)`` once their work is done (their output flushed), rank 0
     goes on: the gloo abort in a worker's teardown cannot fail a finished run."""
@@ -316,6 +317,7 @@ def test_a_finished_worker_rank_ends_without_interpreter_teardown(tmp_path):
     assert outs[1][0].splitlines() == ["rank 1 done"]
 
 
+@pytest.mark.slow
 def test_the_process_group_is_destroyed_at_exit_while_python_is_alive():
     """Lightning leaves the group to the interpreter's teardown, where a gloo worker can abort after its work is
     done; the callbacks' setup registers one exit handler that destroys it first."""

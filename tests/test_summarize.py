@@ -45,6 +45,7 @@ def sweep(tmp_path):
     return tmp_path, values
 
 
+@pytest.mark.slow
 def test_rows_groups_and_files(sweep):
     root, values = sweep
     s = summarize_sweep(root)
@@ -97,6 +98,7 @@ def test_errors_name_the_folder(tmp_path):
     assert main([str(tmp_path)]) == 2
 
 
+@pytest.mark.slow
 def test_command_line(sweep, capsys):
     root, _ = sweep
     assert main([str(root), "--no-plot"]) == 0

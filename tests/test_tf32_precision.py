@@ -20,6 +20,7 @@ def test_tf32_rounding_keeps_ten_mantissa_bits_rounding_to_nearest_even(tf32):
                                rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_clone_jvp_is_as_precise_as_torch_func_with_tf32_convolutions(tf32, tmp_path):
     out = tmp_path / "tf32"
     assert tf32.main(["--models", "resnet18", "--size", "32", "--out", str(out)]) == 0

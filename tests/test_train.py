@@ -46,7 +46,8 @@ def fdr(tmp_path, *overrides):
 REGULARIZERS = ["none", "jacobian", "tangent_prop", "constraint", "param_sensitivity", "spectral", "stacked"]
 
 
-@pytest.mark.parametrize("reg", REGULARIZERS)
+@pytest.mark.parametrize("reg", [r if r == "jacobian" else pytest.param(r, marks=pytest.mark.slow)
+                                 for r in REGULARIZERS])
 def test_fast_dev_run_every_regularizer(tmp_path, reg):
     result, objects = fdr(tmp_path, f"regularizer={reg}")
     names = [type(cb).__name__ for cb in objects["callbacks"]]
@@ -69,7 +70,8 @@ MODELS = [
 ]
 
 
-@pytest.mark.parametrize("model, extra", MODELS, ids=[m for m, _ in MODELS])
+@pytest.mark.parametrize("model, extra", [pytest.param(m, e, marks=pytest.mark.slow) if m in ("mlp", "resnet18", "unet")
+                                          else (m, e) for m, e in MODELS], ids=[m for m, _ in MODELS])
 def test_fast_dev_run_models(tmp_path, model, extra):
     """Each model trains one batch with the Jacobian penalty applied: logged positive and finite, and the total loss
     is the task loss plus its weight times it."""
@@ -97,6 +99,7 @@ def test_compile_must_be_a_flag_or_torch_compile_arguments(tmp_path):
         fdr(tmp_path, "compile=fast")
 
 
+@pytest.mark.slow
 def test_jacobian_monitor_callback_config(tmp_path):
     result, objects = fdr(tmp_path, "callbacks=with_monitor", "callbacks.jacobian_monitor.every_n_epochs=1",
                           "callbacks.jacobian_monitor.k=2", "callbacks.jacobian_monitor.max_samples=2",
@@ -105,6 +108,7 @@ def test_jacobian_monitor_callback_config(tmp_path):
     assert "jacobian/fro" in result["history"][0] and "jacobian/sigma_1" in result["history"][0]
 
 
+@pytest.mark.slow
 def test_short_run_writes_checkpoint_metrics_and_plot(tmp_path):
     result, objects = train(make_cfg(tmp_path, [
         "logger=csv", "trainer.max_epochs=2", "trainer.limit_train_batches=4", "robustness.max_samples=64",

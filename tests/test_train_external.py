@@ -37,8 +37,9 @@ def _penalties(result):
         "train/loss", "train/loss_step", "train/loss_epoch", "train/acc", "train/total_loss") and not k.endswith("_weight")}
 
 
-@pytest.mark.parametrize("reg", REGULARIZERS)
-@pytest.mark.parametrize("source", ["timm_convnext", "hf_vit"])
+@pytest.mark.parametrize("reg", [r if r == "jacobian" else pytest.param(r, marks=pytest.mark.slow)
+                                 for r in REGULARIZERS])
+@pytest.mark.parametrize("source", ["timm_convnext", pytest.param("hf_vit", marks=pytest.mark.slow)])
 def test_every_regularizer_trains_timm_and_hf(tmp_path, source, reg):
     _, overrides = SOURCES[source]
     result, objects = fdr(tmp_path, *overrides, f"regularizer={reg}", "data.batch_size=8")

@@ -146,9 +146,10 @@ def _check_jvp(setting, mode, engine, path):
     return model
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["eval", "train"])
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s["name"])
+@pytest.mark.parametrize("setting", [pytest.param(s, marks=pytest.mark.slow) if s["name"] == "mobilenet_v3_small" else s
+                                     for s in SETTINGS], ids=lambda s: s["name"])
 def test_jvp_on_the_accelerator_path_matches_forward_ad(setting, mode, engine, path):
     model = _check_jvp(setting, mode, engine, path)
     if engine == "captured":
@@ -156,8 +157,9 @@ def test_jvp_on_the_accelerator_path_matches_forward_ad(setting, mode, engine, p
         assert programs and all(p.replays for p in programs)
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured"])
-@pytest.mark.parametrize("setting", [s for s in SETTINGS if s["name"] != "mlp"], ids=lambda s: s["name"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("setting", [pytest.param(s, marks=pytest.mark.slow) if s["name"] == "mobilenet_v3_small" else s
+                                     for s in SETTINGS if s["name"] != "mlp"], ids=lambda s: s["name"])
 def test_regularized_step_gradients_on_the_accelerator_path_equal_the_host_paths(setting, engine, path):
     """A train-mode step (task loss, Jacobian and parameter-sensitivity penalties) from the same seed on each path:
     the same gradients and running statistics. BatchNorm's tangent then takes the backward with fewer kernels."""

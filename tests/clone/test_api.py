@@ -576,7 +576,7 @@ def test_jvp_params_batched_equals_separate_calls():
             torch.testing.assert_close(ts[j], t_j, rtol=RTOL, atol=1e-14)
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_jvp_params_several_tangents_through_a_transformer_block(train, engine):
     """k = 3 directions of every weight (LayerNorms included) and of a 3-d input through a pre-norm encoder

@@ -26,7 +26,7 @@ def _key(op) -> str:
     return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if o.name in QUICK else pytest.mark.slow)
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if o.name in QUICK else pytest.mark.sweep)
                                 for o in OPS])
 def test_every_keyword_form_is_exact_or_a_clear_error(op):
     results = sweep.run_keyword_op(op, n_samples=4)
@@ -56,6 +56,7 @@ def test_the_forms_that_crashed_in_real_models(call, form):
     torch.testing.assert_close(t, t_ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_the_forms_cover_the_shape_ops_by_keyword():
     """The generated cases include the four keyword forms that crashed, by torch's own names (the generator does
     not silently produce nothing for them)."""
@@ -68,6 +69,7 @@ def test_the_forms_cover_the_shape_ops_by_keyword():
             ("permute", "method.keywords"), ("expand", "method.keywords")} <= seen
 
 
+@pytest.mark.slow
 def test_the_sweep_detects_a_binder_that_drops_keywords(monkeypatch):
     """Mutation check: with keywords passed on unbound (the engine before), the keyword forms crash the sweep."""
     from jvpreg.clone.eager import dispatch

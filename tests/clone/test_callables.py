@@ -198,6 +198,7 @@ def test_taking_apart_names_the_same_structure_for_new_instances():
         functools.partial(net, w=3.0)).structure
 
 
+@pytest.mark.slow
 def test_a_rule_registered_after_a_capture_records_the_program_again():
     """The rules a program ran are part of its key (``registry.Handlers.version``): a function captured with one rule
     is not replayed after the rule is replaced (before: the old rule's program replayed)."""

@@ -97,12 +97,12 @@ SLOW = {"densenet121": (lambda: torchvision.models.densenet121(num_classes=4), (
 
 def _zoo_params():
     for name in ZOO:
-        for mode in ("train", "eval"):  # the heaviest train-mode checks run with --slow
-            slow = mode == "train" and name in ("mobilenet_v3_small", "lstm", "unet")
-            yield pytest.param(name, mode, ZOO[name], id=f"{name}-{mode}", marks=pytest.mark.slow if slow else ())
+        for mode in ("train", "eval"):  # the quick tier: the two small models
+            slow = name not in ("mlp-relu", "cnn-bn-maxpool")
+            yield pytest.param(name, mode, ZOO[name], id=f"{name}-{mode}", marks=pytest.mark.sweep if slow else ())
     for name in SLOW:
         for mode in ("train", "eval"):
-            yield pytest.param(name, mode, SLOW[name], id=f"{name}-{mode}", marks=pytest.mark.slow)
+            yield pytest.param(name, mode, SLOW[name], id=f"{name}-{mode}", marks=pytest.mark.sweep)
 
 
 def _dropout_free(model: nn.Module) -> nn.Module:
@@ -136,6 +136,7 @@ def test_captured_equals_eager_on_the_zoo(name, mode, spec):
         assert torch.equal(b, b_e), n
 
 
+@pytest.mark.slow
 def test_captured_running_stats_bitwise_equal_to_plain_forward():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=4).train()
@@ -174,7 +175,7 @@ def test_captured_penalty_gradients_equal_eager_and_torch_func(mode):
             torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("engine", ["captured", "compiled"])
+@pytest.mark.parametrize("engine", ["captured", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_scales_chosen_by_kernels_are_recorded_in_the_jvp_program(engine):
     """On an accelerator the scales are kernels (:func:`jvpreg.clone.api.device_scales`) and a JVP's program records
     them with the rest (a compiled program fuses them): run here on the CPU taking that path
@@ -201,6 +202,7 @@ def test_scales_chosen_by_kernels_are_recorded_in_the_jvp_program(engine):
     assert len([n for n in program.gm.graph.nodes if n.op == "placeholder"]) == 2 + len(list(model.parameters()))
 
 
+@pytest.mark.slow
 def test_cache_hit_and_recapture_on_changed_guards():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU()).to(D)
     x, u = randn(3, 4), randn(3, 4)
@@ -223,6 +225,7 @@ def test_cache_hit_and_recapture_on_changed_guards():
     assert len(capture.programs(model)) == 6
 
 
+@pytest.mark.slow
 def test_past_max_programs_a_signature_runs_eagerly_with_one_warning_that_names_varying_sizes():
     """Sequence lengths that change from batch to batch (dynamic padding) are one signature each: past
     ``MAX_PROGRAMS`` a new one runs in eager clone mode, exact, after one warning that says to pad to a few lengths."""
@@ -259,6 +262,7 @@ class _ShiftedByAFactoryTensor(nn.Module):
         return self.lin(x) + torch.full((4,), 1 / 3)  # the default dtype: float64 promotes the output
 
 
+@pytest.mark.slow
 def test_a_changed_default_dtype_recaptures():
     """Factory ops without a dtype follow ``torch.set_default_dtype``; before, a program recorded under float32
     replayed its float32 promotion after the default became float64 (6e-8 off the eager call's output)."""
@@ -549,6 +553,7 @@ def test_noise_from_an_explicit_generator_is_drawn_as_in_eager_mode(how, reason)
     assert [p.gm is not None for p in capture.programs(model).values()] == [reason is None]
 
 
+@pytest.mark.slow
 def test_dropout_program_is_checked_once_and_kept():
     """The generator check at capture keeps a plain dropout forward captured, and leaves the caller's generator where
     an eager call leaves it."""
@@ -646,6 +651,7 @@ def test_stacked_penalties_captured_equal_eager():
         torch.testing.assert_close(g, g_e, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_compiled_module_runs_its_original_code_exactly():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(D)
@@ -664,6 +670,7 @@ def test_compiled_module_runs_its_original_code_exactly():
     assert torch.isfinite(pen)
 
 
+@pytest.mark.slow
 def test_module_compiled_in_place_runs_its_original_code_exactly():
     """``module.compile()`` (the module keeps its class and state_dict keys; its __call__ runs a compiled
     _call_impl): every engine clones the original code, "auto" picks the compiled engine, and the module is still
@@ -870,6 +877,7 @@ class _Scaled(nn.Module):
 
 
 @pytest.mark.parametrize("engine", ["captured", "compiled"])
+@pytest.mark.slow
 def test_a_captured_module_is_freed_with_its_programs_when_the_caller_drops_it(engine):
     """The records live in a weak-keyed dict: a record that held its module strongly kept every module ever
     captured (and its programs) alive for the life of the process."""

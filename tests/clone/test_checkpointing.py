@@ -98,7 +98,7 @@ def assert_equal_lists(got, want, rtol):
 @pytest.mark.parametrize("weights", [False, True], ids=["input", "input+weights"])
 @pytest.mark.parametrize("block", [{}, {"bn": True}, {"drop": 0.3}, {"bn": True, "drop": 0.3}],
                          ids=["plain", "batchnorm", "dropout", "batchnorm+dropout"])
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradients_equal_those_without_checkpointing(reentrant, engine, block, weights):
     torch.manual_seed(0)
@@ -119,6 +119,7 @@ def test_gradients_equal_those_without_checkpointing(reentrant, engine, block, w
         assert_equal_lists(buffers, plain_steps(plain), rtol=0)
 
 
+@pytest.mark.slow
 def test_checkpointing_keeps_the_memory_of_a_checkpointed_2b_forward():
     """The live-tensor peak of a regularized step with checkpointing, eager or captured, is that of a plain
     checkpointed step on the doubled batch (the clone batch's floor), and well below the regularized step without
@@ -206,6 +207,7 @@ def _zoo_step(model, x, engine):
 
 @pytest.mark.parametrize("source, name", [("timm", "test_vit"), ("timm", "resnet18d"), ("hf", "llama"),
                                           ("hf", "bert")])
+@pytest.mark.slow
 def test_timm_and_hugging_face_checkpointing(source, name):
     """timm's ``set_grad_checkpointing`` and Hugging Face's ``gradient_checkpointing_enable``, train mode: the
     gradients of each engine's step without checkpointing (Hugging Face's float64 models compute their norms in
@@ -316,8 +318,8 @@ REGION_PENALTIES = {
 
 
 @pytest.mark.parametrize("penalty", sorted(REGION_PENALTIES))
-@pytest.mark.parametrize("layout", ["kwargs_and_tuple", "nested", "sequential", "selective", "reentrant",
-                                    "value_read", "no_grad_edges"])
+@pytest.mark.parametrize("layout", ["kwargs_and_tuple", *(pytest.param(layout, marks=pytest.mark.slow) for layout in (
+    "nested", "sequential", "selective", "reentrant", "value_read", "no_grad_edges"))])
 def test_nested_keyword_and_sequential_regions(layout, penalty):
     torch.manual_seed(0)
     base = Regions().to(D)

@@ -37,7 +37,7 @@ class WithCompiledHelper(nn.Module):
         return self.b(self.helper(self.a(x)))
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured", "compiled"])
+@pytest.mark.parametrize("engine", ["eager", "captured", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_a_compiled_helper_runs_its_original_code(engine):
     torch.manual_seed(0)
     model = WithCompiledHelper(torch.compile(gated, backend="eager")).to(D)
@@ -56,6 +56,7 @@ def test_a_compiled_helper_runs_its_original_code(engine):
         n.ran_programs(2)
 
 
+@pytest.mark.slow
 def test_the_compiled_engine_still_compiles_inside_a_clone_forward():
     """The callbacks run the clone forward inside ``functions.active()``: the compiled engine's program must not
     inherit the forced-eager stance there."""

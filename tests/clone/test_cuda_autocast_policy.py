@@ -94,7 +94,7 @@ MODELS = {
 
 
 @pytest.mark.parametrize("path", ["host", "accelerator"])
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_bf16_autocast_jvp_and_its_gradients_under_cuda_policy(name, engine, path, cuda_autocast_policy):
     """On the host's path and on the accelerator's (:func:`jvpreg.clone.core.device_paths.accelerator_path`), which a GPU

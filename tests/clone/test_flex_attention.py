@@ -184,6 +184,7 @@ def test_a_score_mod_that_means_another_thing_on_broadcast_indices_is_refused(en
     assert n.recorded == n.replays == 0 and n.raised + n.refused + len(n.uncaptured) == (engine != "eager"), n
 
 
+@pytest.mark.slow
 def test_captured_flex_attention_under_no_grad_runs_eagerly_with_its_reason():
     """Under no_grad FlexAttention leaves a vmap-wrapped constant in the traced program: the capture refuses it with
     a reason (before: a RuntimeError from inside the capture's passes), and the eager run is exact."""

@@ -228,7 +228,8 @@ KERNEL_TANGENT_LAYERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(KERNEL_TANGENT_LAYERS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "sigmoid" else n
+                                  for n in KERNEL_TANGENT_LAYERS])
 def test_backward_kernel_tangents_have_exact_gradients(name):
     """d/d(params, x) of ||J u||^2 for Linear -> layer -> Linear equals finite differences (float64)."""
     torch.manual_seed(0)
@@ -378,7 +379,7 @@ def _operators_match_primitive_autograd(model, x, tangent, monkeypatch, engine="
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 def test_group_norm_penalty_gradients_equal_autograd_of_primitive_ops(engine, monkeypatch):
     """GroupNorm's tangent under autograd (jvpreg.clone.rules.kernels.group_norm_tangent, its backward written out) vs
     the same rule through primitive ops with differentiable statistics (the operator switched off)."""
@@ -407,7 +408,7 @@ def test_batchnorm_and_relu_operators_match_primitive_autograd(variant, monkeypa
     _operators_match_primitive_autograd(model, x, us if k > 1 else us[0], monkeypatch, batched=k > 1)
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 def test_large_attention_keeps_no_score_sized_tensor(engine, monkeypatch):
     """From ATTENTION_RECOMPUTE_NUMEL entries of P, the attention rule keeps its inputs only (as fused attention
     does) and recomputes P, dS and dP in the backward; the composite keeps all three. The gradients agree."""
@@ -604,7 +605,7 @@ class _Normed(nn.Module):
         return torch.linalg.vector_norm(h, self.ord, dim=-1) + F.normalize(h, dim=-1).norm(dim=-1, p=3) * h[:, 0]
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("ord", [2, 3, 1.5, float("inf")])
 def test_norm_penalty_gradients_keep_the_weights_dependence_on_the_input(ord, engine):
     """d/dW of ||J u||^2 through vector norms (and Tensor.norm, F.normalize), against torch.func in float64:

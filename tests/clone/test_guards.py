@@ -59,7 +59,8 @@ def _program(model):
     return prog
 
 
-@pytest.mark.parametrize("read", sorted(READS))
+@pytest.mark.parametrize("read", [r if r == "item" else pytest.param(r, marks=pytest.mark.slow)
+                                  for r in sorted(READS)])
 def test_a_value_read_by_python_is_guarded_and_every_call_exact(read):
     torch.manual_seed(0)
     model = ScaledBy(READS[read])
@@ -76,6 +77,7 @@ def test_a_value_read_by_python_is_guarded_and_every_call_exact(read):
     assert len(prog.variants) == 2
 
 
+@pytest.mark.slow
 def test_values_that_change_on_every_call_end_in_eager_mode_with_one_warning():
     torch.manual_seed(0)
     model = ScaledBy(READS["item"])
@@ -146,6 +148,7 @@ class Positives(nn.Module):
 
 
 @pytest.mark.parametrize("rows", sorted(ROWS))
+@pytest.mark.slow
 def test_an_output_shape_that_depends_on_values_is_guarded(rows):
     torch.manual_seed(0)
     model = Positives(ROWS[rows][0])
@@ -183,7 +186,8 @@ class Function(nn.Module):
         return self.f(x)
 
 
-@pytest.mark.parametrize("name", sorted(VALUE_SHAPED))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("bincount", "masked_select") else n
+                                  for n in sorted(VALUE_SHAPED)])
 def test_value_dependent_shapes_replay_exactly_on_other_values(name):
     model = Function(VALUE_SHAPED[name])
     for seed, positives in enumerate((2, 2, 4, 1, 5)):  # rows whose first two entries are positive
@@ -284,6 +288,7 @@ class TwoLayerRouter(nn.Module):
         return self.layer(x + self.layer(x))
 
 
+@pytest.mark.slow
 def test_values_computed_from_tensors_the_forward_writes_in_place_are_guarded():
     """The guard replays the writes into tensors the forward made (``top /= ...``, ``out.index_add_``) before the
     read: captured, and exact on inputs that route differently."""
@@ -311,6 +316,7 @@ class BranchOnAccumulated(nn.Module):
         return torch.relu(x) * out if out.sum() > 0 else torch.tanh(x) * out
 
 
+@pytest.mark.slow
 def test_a_branch_on_a_tensor_filled_in_place_replays_the_program_recorded_for_each_side():
     torch.manual_seed(0)
     model = BranchOnAccumulated()
@@ -356,6 +362,7 @@ def test_a_read_no_guard_can_re_check_runs_eagerly_with_a_warning_that_says_why(
     assert torch.equal(t, t_ref)
 
 
+@pytest.mark.slow
 def test_running_statistics_are_updated_once_per_call_whichever_program_runs():
     torch.manual_seed(0)
     model = BranchAfterBatchNorm(first_input).to(D).train()
@@ -396,6 +403,7 @@ def test_same_compares_nan_as_equal_and_nothing_else():
     assert same(True, True) and not same(True, False)
 
 
+@pytest.mark.slow
 def test_hugging_face_padding_masks_are_captured_with_a_guard():
     import transformers
     from jvpreg import clone
@@ -467,6 +475,7 @@ class PaddedByCount(nn.Module):
         return torch.cat([torch.tanh(x), torch.zeros(x.shape[0], count, dtype=x.dtype)], 1)
 
 
+@pytest.mark.slow
 def test_a_tensor_passed_as_a_number_is_read_and_guarded():
     torch.manual_seed(0)
     model = PaddedByCount()

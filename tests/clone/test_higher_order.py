@@ -70,7 +70,8 @@ LAYERS = {
 
 
 @pytest.mark.parametrize("engine", ["eager", "captured"])
-@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("layer", [pytest.param(n, marks=pytest.mark.slow) if n in ("lstm", "gru-packed") else n
+                                   for n in LAYERS])
 def test_hessian_vector_product_of_a_penalty(layer, engine):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(5, 24), LAYERS[layer](), nn.Linear(24, 3)).to(D)

@@ -89,7 +89,8 @@ PENALTIES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=pytest.mark.slow),
+                                     pytest.param("inductor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("penalty", list(PENALTIES))
 def test_a_compiled_training_step_with_a_penalty(penalty, backend):
     """A whole step (forward, penalty, backward) under torch.compile: its gradients and train-mode BatchNorm's

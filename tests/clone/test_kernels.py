@@ -55,7 +55,8 @@ def _bn_tangent_composite(d, a, w):
     return scale * dn
 
 
-@pytest.mark.parametrize("shape, blocks, affine", [((6, 3), 1, True), ((4, 3, 5, 5), 2, True),
+@pytest.mark.parametrize("shape, blocks, affine", [((6, 3), 1, True),
+                                                   pytest.param((4, 3, 5, 5), 2, True, marks=pytest.mark.slow),
                                                    ((3, 2, 4), 1, False), ((2, 3, 3, 2, 2), 1, True)],
                          ids=["bn1d", "bn2d-two-tangents", "no-weight", "bn3d"])
 def test_batch_norm_tangent_values_and_gradients(shape, blocks, affine, bn_kernel):
@@ -101,7 +102,9 @@ def _clone_bn_composite(z, w, b):
     return torch.cat([out0.unsqueeze(0), out0 + _bn_tangent_composite(z[1:] - a, a, w)])
 
 
-@pytest.mark.parametrize("shape, blocks, affine", [((6, 3), 2, True), ((4, 3, 5, 5), 3, True), ((3, 2, 4), 2, False)],
+@pytest.mark.parametrize("shape, blocks, affine", [((6, 3), 2, True),
+                                                   pytest.param((4, 3, 5, 5), 3, True, marks=pytest.mark.slow),
+                                                   ((3, 2, 4), 2, False)],
                          ids=["bn1d", "bn2d-two-tangents", "no-weight"])
 def test_batch_norm_blocks_values_and_gradients(shape, blocks, affine, bn_kernel):
     """Clone-BN in one operator: values and gradients (written out, and under create_graph) against the composite
@@ -264,8 +267,10 @@ def _ln_tangent(d, a, w, normalized_shape):
     return kernels.layer_norm_tangent(d, a, w, mean, rstd, list(normalized_shape), EPS)
 
 
-@pytest.mark.parametrize("shape, normalized_shape, blocks, affine", [((3, 5, 6), (6,), 1, True),
-                                                                     ((2, 4, 3, 5), (3, 5), 2, True),
+@pytest.mark.parametrize("shape, normalized_shape, blocks, affine", [pytest.param((3, 5, 6), (6,), 1, True,
+                                                                                  marks=pytest.mark.slow),
+                                                                     pytest.param((2, 4, 3, 5), (3, 5), 2, True,
+                                                                                  marks=pytest.mark.slow),
                                                                      ((7, 4), (4,), 1, False)],
                          ids=["tokens", "two-dims-two-tangents", "rows-no-weight"])
 def test_layer_norm_tangent_values_gradients_and_second_order(shape, normalized_shape, blocks, affine):

@@ -122,7 +122,8 @@ WRITES = {  # each makes the tensor it writes into (the same writes into a tenso
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("write", list(WRITES))
+@pytest.mark.parametrize("write", [pytest.param(w, marks=pytest.mark.slow) if w == "masked-setitem" else w
+                                   for w in WRITES])
 def test_each_write_into_a_made_tensor(write, engine):
     from conftest import runs_engine
 
@@ -233,7 +234,7 @@ def _small_fno():
     return _f64(_FNO2d(width=4, modes=2, layers=2))
 
 
-@pytest.mark.parametrize("engine", ["eager", "auto"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("auto", marks=pytest.mark.slow)])
 def test_regularized_step_through_a_fourier_operator(engine):
     """The callbacks' code path (hooks around the user's forward): the gradient of task loss + ||J u||^2 / B equals
     torch.func's, on every call of the engine (eager, capture, replay)."""

@@ -162,6 +162,7 @@ def mlp(self, x):
     return F.linear(torch.sigmoid(torch.tanh(x * 2.0)), torch.ones(3, 5, dtype=x.dtype))
 
 
+@pytest.mark.slow
 def test_finite_program_has_no_fix_and_an_infinite_input_recaptures_with_it():
     torch.manual_seed(0)
     module = AsModule(mlp)

@@ -116,19 +116,21 @@ def _failures(results):
     return [r for r in results if r.kind in ("mismatch", "crash")]
 
 
-# one op per rule family runs in the quick test run; the whole database with --slow (CI)
+# one op per rule family (QUICK): the cheapest six (QUICK_TIER) run in the quick tier; the others and the whole
+# database in the sweep tier (--slow: CI, or --tier sweep)
 QUICK = {"nn.functional.relu", "nn.functional.gelu", "tanh", "softmax", "log_softmax", "masked_fill", "where",
          "matmul", "nn.functional.conv2d", "nn.functional.layer_norm", "nn.functional.batch_norm",
          "nn.functional.max_pool2d", "nn.functional.scaled_dot_product_attention", "nn.functional.embedding",
          "amax", "logsumexp", "cumsum", "index_put", "scatter_add", "clamp", "mul", "div.no_rounding_mode",
          "cdist", "scatter_reduce.prod", "half", "nn.functional.linear_cross_entropy.chunked"}
+QUICK_TIER = {"nn.functional.relu", "tanh", "softmax", "cumsum", "nn.functional.embedding", "half"}
 
 
 def _key(op) -> str:
     return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in QUICK else pytest.mark.slow)
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in QUICK_TIER else pytest.mark.sweep)
                                 for o in OPS])
 def test_opinfo_exact_or_clear_error(op):
     check_results(_key(op), op, sweep.run_op(op), whole=True)
@@ -138,32 +140,35 @@ def test_opinfo_exact_or_clear_error(op):
 # module and recorded into a program, whose passes and replay must stay exact. A forward it cannot capture (an op
 # without a rule takes the fallback, which runs eagerly only) runs eagerly: exact, and counted (``Result.capture``),
 # so that an op with a rule must be captured in at least one case: the test cannot pass by never capturing.
-# The quick run: the rule families of QUICK (the fallback-only ops there run eagerly), 20 samples each (the
-# first are often 0-d; SDPA's first captured case is its 17th). With --slow: those on all N_SAMPLES, every other op
+# The quick tier: tanh (QUICK_TIER_CAPTURED; the other rule families of QUICK take 2-25 s each), 20 samples
+# each (the first are often 0-d; SDPA's first captured case is its 17th). The sweep tier (--slow: CI, or --tier sweep):
+# the rule families of QUICK (the fallback-only ops there run eagerly) on all N_SAMPLES, every other op
 # on every SLOW_EVERY-th of them (``sweep.strided``: the first, the last and evenly between, 11 of 40; all 40 of
 # every op took 32 minutes on 2 cores, a third of CI's limit; the eager sweep takes all 40 of every op).
 QUICK_CAPTURED = QUICK - {"cdist", "scatter_reduce.prod", "half", "nn.functional.linear_cross_entropy.chunked"}
+QUICK_TIER_CAPTURED = {"tanh"}
 QUICK_CAPTURED_SAMPLES = 20
 SLOW_EVERY = 4
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in QUICK_CAPTURED else
-                                             pytest.mark.slow) for o in OPS])
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in QUICK_TIER_CAPTURED else
+                                             pytest.mark.sweep) for o in OPS])
 def test_opinfo_captured_exact_or_clear_error(op, request):
     _check_captured(op, request, whole=QUICK_CAPTURED)
 
 
 # The accelerator's path (``jvpreg.clone.core.device_paths.accelerator_path``: scales chosen by kernels, the non-finite
 # fixes kept where an infinity can reach, the device's BatchNorm forms), taken on the CPU. The quick run: the batch
-# norms, whose rules branch on the device; with --slow, the rule families of QUICK and every norm, the batch norms
-# on all N_SAMPLES, the others on every SLOW_EVERY-th (all 40 of all took 10 minutes).
+# norms' sweeps took 13-64 s each, so none: all in the sweep tier (tests/clone/test_accelerator_path.py takes the path
+# in the quick tier), the rule families of QUICK and every norm, the batch norms (ACCELERATOR_QUICK, whose rules branch
+# on the device) on all N_SAMPLES, the others on every SLOW_EVERY-th (all 40 of all took 10 minutes).
 ACCELERATOR_QUICK = {"native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update",
                      "nn.functional.batch_norm", "nn.functional.instance_norm"}
 ACCELERATOR = QUICK_CAPTURED | {_key(o) for o in OPS if "norm" in _key(o)}
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in ACCELERATOR_QUICK else
-                                             pytest.mark.slow) for o in OPS if _key(o) in ACCELERATOR])
+@pytest.mark.sweep
+@pytest.mark.parametrize("op", [o for o in OPS if _key(o) in ACCELERATOR], ids=_key)
 def test_opinfo_accelerator_path_exact_or_clear_error(op, request):
     with accelerator_path():
         _check_captured(op, request, whole=ACCELERATOR_QUICK)
@@ -175,11 +180,11 @@ STORAGE_OFFSET_OPS = {"as_strided", "as_strided_scatter"}
 
 
 def _check_captured(op, request, whole):
-    """The captured sweep of one op: the quick run's QUICK_CAPTURED_SAMPLES; with --slow, all N_SAMPLES for the ops
+    """The captured sweep of one op: QUICK_CAPTURED_SAMPLES; in the sweep tier, all N_SAMPLES for the ops
     in ``whole`` and every SLOW_EVERY-th for the others."""
     key = _key(op)
     n, every = QUICK_CAPTURED_SAMPLES, 1
-    if request.config.getoption("--slow"):
+    if request.config.getoption("--slow") or "sweep" in request.config.getoption("--tier"):
         n, every = sweep.N_SAMPLES, 1 if key in whole else SLOW_EVERY
     results = sweep.run_op(op, n_samples=n, engine="captured", every=every)
     if op.name in STORAGE_OFFSET_OPS:  # refused by the capture, by its reason: the eager runs are swept
@@ -196,14 +201,15 @@ def _check_captured(op, request, whole):
 # inputs' values (``nonzero``, ``x[mask]``, ``unique``) must be guarded (``jvpreg.clone.program.guards.dynamic_shapes``). Every
 # op of the database (int64 or bool where it has no float64: index and mask ops are recorded too), each sample recorded
 # on its values and on others of the same shapes (``sweep.value_shaped``). These found value-shaped ops on torch 2.15
-# (12 OpInfos, 13 aten ops) and run in the quick run, on all N_SAMPLES; with --slow, every other OpInfo on every
-# SLOW_EVERY-th sample (all 40 of all took 16 minutes on 2 cores).
+# (12 OpInfos, 13 aten ops) and run on all N_SAMPLES: repeat_interleave in the quick tier (the others take 2-16 s
+# each), the rest in the sweep tier, with every other OpInfo on every SLOW_EVERY-th sample (all 40 of all took 16
+# minutes on 2 cores).
 VALUE_SHAPED = {"masked_select", "tensor_split", "__getitem__", "unique", "unique_consecutive", "bincount", "nonzero",
                 "nn.functional.one_hot", "argwhere", "repeat_interleave", "linalg.lstsq", "linalg.lstsq.grad_oriented"}
 
 
-@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) in VALUE_SHAPED else pytest.mark.slow)
-                                for o in sweep.value_shape_ops()])
+@pytest.mark.parametrize("op", [pytest.param(o, id=_key(o), marks=() if _key(o) == "repeat_interleave" else
+                                             pytest.mark.sweep) for o in sweep.value_shape_ops()])
 def test_opinfo_value_shaped_ops_are_guarded(op):
     found = sweep.value_shaped(op, every=1 if _key(op) in VALUE_SHAPED else SLOW_EVERY)
     unguarded = sorted({(name, sample) for name, sample, guarded in found if not guarded})
@@ -212,6 +218,7 @@ def test_opinfo_value_shaped_ops_are_guarded(op):
         assert found, f"{_key(op)}: no value-shaped op found any more"
 
 
+@pytest.mark.slow
 def test_value_shape_sweep_detects_an_unguarded_op(monkeypatch):
     """With the capture's shape guards taken away, ``nonzero`` is reported unguarded."""
     from jvpreg.clone.program import guards
@@ -221,6 +228,7 @@ def test_value_shape_sweep_detects_an_unguarded_op(monkeypatch):
     assert any(name == "aten.nonzero.default" and not guarded for name, _, guarded in sweep.value_shaped(op))
 
 
+@pytest.mark.slow
 def test_strided_cases_keep_the_first_the_last_and_their_values():
     """``cases(op, n, every)``: samples 0, every, 2 every, ... and the last, the same cases as the whole sweep's."""
     op = next(o for o in OPS if o.name == "matmul")
@@ -276,7 +284,7 @@ COMPILED = {"nn.functional.relu", "nn.functional.leaky_relu", "nn.functional.har
 COMPILED_SAMPLES = 4
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("op", [o for o in OPS if _key(o) in COMPILED], ids=_key)
 def test_opinfo_compiled_exact(op):
     results = sweep.run_op(op, n_samples=COMPILED_SAMPLES, engine="compiled")
@@ -291,6 +299,7 @@ def _scaled_by_its_largest_entry(x):
     return x * x.abs().max().item()
 
 
+@pytest.mark.slow
 def test_captured_sweep_replays_on_other_values_and_detects_an_unguarded_read(monkeypatch):
     """The captured sweep replays each program on other values of the input: a value read by Python that the
     program replayed without its guard (here: every guard taken as holding) is a mismatch there."""
@@ -304,7 +313,7 @@ def test_captured_sweep_replays_on_other_values_and_detects_an_unguarded_read(mo
     assert result.kind == "mismatch" and "replay on other values" in result.detail, result
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("op", OPS, ids=_key)
 def test_float32_jvps_are_as_accurate_as_torch_func(op):
     """Every op of the database in float32, against float64 references: our tangent is within 10x torch.func's own
@@ -315,6 +324,7 @@ def test_float32_jvps_are_as_accurate_as_torch_func(op):
     assert not bad, "\n".join(f"{c}: error {o:.3g}, torch.func's {t:.3g}, allowed {a:.3g}" for c, o, t, a in bad)
 
 
+@pytest.mark.slow
 def test_float32_check_detects_a_fallback_along_the_scaled_tangent(monkeypatch):
     """The float32 check flags matrix_exp when the fallback differentiates along ``s u`` (its old behaviour)."""
     from jvpreg.clone.eager import dispatch

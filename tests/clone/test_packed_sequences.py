@@ -58,7 +58,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case, engine", [
-    pytest.param(case, engine, marks=[pytest.mark.slow] if engine == "captured" and "2layers" in case else [])
+    pytest.param(case, engine, marks=[pytest.mark.slow] if engine == "captured" or case in (
+        "lstm-2layers-bidirectional", "gru-2layers-bidirectional") else [])
     for case in sorted(CASES) for engine in ("eager", "captured")])
 def test_packed_sequences_match_the_reverse_mode_jacobian(case, engine):
     cell, kw = CASES[case]
@@ -73,6 +74,7 @@ def test_packed_sequences_match_the_reverse_mode_jacobian(case, engine):
         torch.testing.assert_close(t, reverse_jvp(model, x, u), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_an_initial_state_with_a_tangent():
     torch.manual_seed(0)
     model = PackedRNN(nn.GRU, torch.tensor([4, 2, 1]), False, num_layers=2).to(D)
@@ -83,6 +85,7 @@ def test_an_initial_state_with_a_tangent():
     torch.testing.assert_close(t, t_x, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_parameter_tangents_through_a_packed_lstm():
     torch.manual_seed(0)
     model = PackedRNN(nn.LSTM, torch.tensor([3, 3, 2]), False).to(D)
@@ -111,6 +114,7 @@ class Lengths(nn.Module):
         return h[-1]
 
 
+@pytest.mark.slow
 def test_batches_of_other_lengths_replay_or_record_their_own_program():
     torch.manual_seed(0)
     model = Lengths().to(D)
@@ -128,6 +132,7 @@ def test_batches_of_other_lengths_replay_or_record_their_own_program():
     assert prog.gm is not None and len(prog.variants) == 1
 
 
+@pytest.mark.slow
 def test_lengths_made_in_the_forward_from_a_list_are_captured():
     """``torch.tensor([...])`` in a forward records ``detach_`` of the lifted constant: an in-place op on metadata
     only, so the guard that re-reads the lengths may recompute them (it sent the model to eager clone mode)."""
@@ -152,7 +157,7 @@ def test_lengths_made_in_the_forward_from_a_list_are_captured():
     assert prog.gm is not None and prog.guard is not None
 
 
-@pytest.mark.parametrize("with_parameter_tangents", [False, True])
+@pytest.mark.parametrize("with_parameter_tangents", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_dropout_between_layers_uses_one_mask_for_every_block(with_parameter_tangents):
     """Train mode: with tangents (u, 2u) in one pass the second JVP is exactly twice the first (one mask for the
     blocks), on the per-block path and on the op-by-op one (taken when a parameter carries a tangent)."""

@@ -146,6 +146,7 @@ def _vit():
 
 
 @pytest.mark.parametrize("infinite", ["x", "u"])
+@pytest.mark.slow
 def test_a_vit_with_an_infinite_input_keeps_no_fix_and_equals_the_eager_engine(infinite):
     """An infinite entry in the data or the direction (what a device's program must allow for): the ViT's smooth
     ops all read layer-normed rows (finite or NaN), so its program holds no non-finite fix, and it gives the eager
@@ -179,6 +180,7 @@ def test_train_mode_batch_norm_with_an_infinite_input_keeps_no_fix_and_equals_th
     torch.testing.assert_close(model[1].running_mean, twin[1].running_mean, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.slow
 def test_a_meta_program_counts_parameters_finite():
     """On ``meta`` (``scripts/op_counts.py``: a GPU's code paths without values) parameters count as finite, as a
     GPU's capture reads them: the ViT's program there holds no fix either."""
@@ -207,6 +209,7 @@ def test_jvp_of_a_module_is_one_program_with_pack_and_unpack():
     assert len(capture.programs(model)) == 1
 
 
+@pytest.mark.slow
 def test_captured_transformer_block_uses_the_passes():
     torch.manual_seed(0)
     model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True,
@@ -297,6 +300,7 @@ def _graded(fn, *inputs, tracing_mode="real"):
     return gm
 
 
+@pytest.mark.slow
 def test_block_reads_under_autograd_become_one_split_with_the_same_values_and_gradients():
     def fn(z, w):
         h = z * w
@@ -488,6 +492,7 @@ def test_select_of_a_single_entry_dim_is_a_squeeze():
     _same_values_and_grads(gm, fn, x)
 
 
+@pytest.mark.slow
 def test_resnet_program_has_no_write_backs_and_matches_eager():
     """The in-place ReLUs of a ResNet: its captured program writes nothing back, and its JVP and the gradients of a
     penalty on it equal the eager engine's in float64."""

@@ -224,7 +224,7 @@ FALLBACK_ONLY = {"linalg norm ord", "matrix norm nuc", "view_as_complex", "cummi
                  "F.cosine_sim", "F.pairwise", "F.kl", "F.ce label smooth", "F.ce probs", "F.bce"}
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", list(USER_CODE))
 def test_user_code_matches_the_reference(name, engine):
     from conftest import reference_jvp, runs_engine

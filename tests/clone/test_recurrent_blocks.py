@@ -87,7 +87,7 @@ RECURRENT = {
 }
 
 
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", list(RECURRENT))
 def test_several_tangents_and_an_initial_state_tangent_match_torch_func(name, engine):
     """k = 3 directions in one pass: the tangent recurrence runs on (k B)-row matrices (block-major rows)."""

@@ -69,6 +69,7 @@ def _regularized_step(model: nn.Module, engine: str = "captured"):
 
 
 @pytest.mark.parametrize("path", [_jvp_call, _regularized_step], ids=["jvp", "regularized_step"])
+@pytest.mark.slow
 def test_the_python_work_of_a_replay_does_not_grow_with_depth(path):
     torch.manual_seed(0)
     counts = {}

@@ -713,7 +713,7 @@ def _through_sdpa(setting_id: str) -> bool:
 
 # a tangent in the float mask takes the composite path (sdpa-float-mask-direction-only)
 @cases([s for s in ATTENTION_SETTINGS if s["id"] != "sdpa-float-mask-direction-only" and _through_sdpa(s["id"])])
-@pytest.mark.parametrize("engine", ["eager", "captured"])
+@pytest.mark.parametrize("engine", ["eager", pytest.param("captured", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-batch", "chunked"])
 @pytest.mark.parametrize("create_graph", [True, False], ids=["second-order", "first-order"])
 def test_attention_recomputed_operator_equals_the_composite(setting, engine, chunked, create_graph, monkeypatch):

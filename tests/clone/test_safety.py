@@ -769,6 +769,7 @@ def test_an_explicit_out_none_is_the_out_of_place_call(engine: str) -> None:
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_fallback_runs_under_warnings_as_errors() -> None:
     """torch warns (`torch.jit.script` is deprecated) while it loads its forward-AD decompositions on first use; a
     user's `-W error` must not turn that into a failed fallback. A fresh process: the load happens once."""

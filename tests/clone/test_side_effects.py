@@ -338,6 +338,7 @@ def test_an_object_holding_tensors_returned_by_the_forward_holds_the_plain_forwa
         assert said_all == []
 
 
+@pytest.mark.slow
 def test_hugging_face_cache_returned_by_gpt2_holds_the_plain_forwards_keys():
     import transformers
     from jvpreg.callbacks.shared import SharedForward
@@ -435,7 +436,8 @@ def test_attributes_read_are_recorded_by_value_and_the_classes_are_put_back():
     assert "training" not in read and "_parameters" not in read  # nn.Module's own state: guarded apart
 
 
-@pytest.mark.parametrize("held", [False, True], ids=["module_attribute", "held_object_field"])
+@pytest.mark.parametrize("held", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["module_attribute", "held_object_field"])
 def test_an_attribute_changed_on_every_call_runs_eagerly_after_a_few_recaptures(monkeypatch, held):
     """The warning names the attribute: a module's own, or a field of an object it holds (``settings.slope``)."""
     monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
@@ -454,6 +456,7 @@ def test_an_attribute_changed_on_every_call_runs_eagerly_after_a_few_recaptures(
     assert [p.gm is not None for p in capture.programs(model).values()] == [False]
 
 
+@pytest.mark.slow
 def test_an_attribute_changed_now_and_then_recaptures_each_time(monkeypatch):
     """An annealed dropout p, a slope changed every few epochs: each change after a steady stretch recaptures."""
     monkeypatch.setattr(capture, "EAGER_CALLS_BEFORE_CAPTURE", 0)
@@ -563,6 +566,7 @@ def test_a_forward_that_sets_a_field_of_a_held_object_runs_eagerly_and_sets_it_o
     assert said and "sets Python attributes or module globals (Counting.settings.calls)" in said[0]
 
 
+@pytest.mark.slow
 def test_hugging_face_config_changed_after_a_capture_recaptures():
     """``config.output_hidden_states`` steers a Hugging Face forward; before, a replay returned the old outputs (the
     last layer's, 0.03 off). Now the call recaptures, and as Hugging Face then records the hidden states by forward

@@ -106,8 +106,9 @@ def _transformed(transform, f, x):
 
 
 @pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
-@pytest.mark.parametrize("engine", ["eager", "auto", "captured"])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("engine", ["eager", pytest.param("auto", marks=pytest.mark.slow), "captured"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("attention", "gru") else n
+                                  for n in MODELS])
 def test_gradient_of_a_jvp_penalty_inside_torch_func(name, engine, transform):
     """The gradient w.r.t. the input of ``|J u|^2`` through each transform equals torch.func's of torch.func.jvp; a
     program recorded before (two calls outside: ``"auto"`` records on the second) does not replay inside."""
@@ -222,8 +223,9 @@ def test_train_mode_batchnorm_with_its_buffers_passed_in():
     torch.testing.assert_close(directional, fd, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("engine", ["eager", "auto", "captured"])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("engine", ["eager", pytest.param("auto", marks=pytest.mark.slow), "captured"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("attention", "gru") else n
+                                  for n in MODELS])
 def test_directional_derivative_of_the_jvp_by_forward_mode(name, engine):
     """``d/dt J(x + t v) u`` by ``torch.func.jvp`` over ``jvpreg.jvp`` and by forward-mode AD's dual tensors equals
     torch.func's nested JVP (LayerNorm in primitive ops), also where a program was recorded outside first."""
