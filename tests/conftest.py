@@ -265,22 +265,6 @@ def tier(item) -> str:
 
 
 #: slow tests in modules that do not import pytest (a marker would be its only use there), as "file::function"
-SLOW_WITHOUT_PYTEST = {
-    "test_bench_clients.py::test_bench_clients_runs_one_model_and_writes_its_table",
-    "test_bench_packed_forward.py::test_the_benchmark_measures_both_ways_and_leaves_the_shared_forward_as_it_found_it",
-    "test_bench_row_subset.py::test_row_subset_bench_quick_run_writes_its_tables",
-    "test_op_counts.py::test_a_jvp_call_of_the_mlp_names_its_layers_and_reads_no_value_on_the_accelerator_path",
-    "test_op_counts.py::test_a_regularized_batch_norm_block_launches_at_most_31_kernels_more_than_the_plain_2b_step",
-    "test_op_counts.py::test_main_writes_both_tables",
-    "test_readme.py::test_readme_quickstart_runs_and_its_jvps_are_exact",
-}
-
-
-def pytest_itemcollected(item):
-    if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in SLOW_WITHOUT_PYTEST:
-        item.add_marker(pytest.mark.slow)
-
-
 def pytest_configure(config):
     """Under pytest-xdist (``-n 2``: CI) each worker is one of two processes on two cores: one intra-op thread
     each, or they fight over the cores."""

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from jvpreg.bench import clients
 
 
+@pytest.mark.slow
 def test_bench_clients_runs_one_model_and_writes_its_table(tmp_path):
     stem = tmp_path / "clients"
     assert clients.main(["--models", "fno", "--repeats", "1", "--warmup", "2", "--out", str(stem)]) == 0

@@ -2,10 +2,13 @@
 smoke run: the figures themselves are the script's, on a quiet machine)."""
 from __future__ import annotations
 
+import pytest
+
 from conftest import load_script
 from jvpreg.callbacks.shared import SharedForward
 
 
+@pytest.mark.slow
 def test_the_benchmark_measures_both_ways_and_leaves_the_shared_forward_as_it_found_it():
     bench = load_script("bench_packed_forward")
     packs = SharedForward._packs_in_program

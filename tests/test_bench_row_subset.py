@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import pytest
 import torch
 
 from jvpreg.bench import row_subset, train
@@ -26,6 +27,7 @@ def test_train_bench_row_subsets_save_less_for_backward_than_the_whole_batch():
     assert saved["plain"] < saved["clone_rows25"] < saved["clone_rows50"] < saved["clone"]
 
 
+@pytest.mark.slow
 def test_row_subset_bench_quick_run_writes_its_tables(tmp_path):
     out = str(tmp_path / "rs")
     assert row_subset.main(["--quick", "--settings", "digits", "--draws", "2", "--out", out]) == 0

@@ -2,6 +2,7 @@
 counts that bound the per-call work a GPU launches (the scale choice, a regularized BatchNorm's backward)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -12,6 +13,7 @@ from jvpreg.clone.api import _R_DEFAULT, device_scales
 META = torch.device("meta")
 
 
+@pytest.mark.slow
 def test_a_jvp_call_of_the_mlp_names_its_layers_and_reads_no_value_on_the_accelerator_path():
     ops = load_script("op_counts")
     row = ops.jvp_row("small", "mlp20x64")  # 20 x (Linear 64 + ReLU)
@@ -38,6 +40,7 @@ def _bn_blocks(n):
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
 
 
+@pytest.mark.slow
 def test_a_regularized_batch_norm_block_launches_at_most_31_kernels_more_than_the_plain_2b_step():
     """Train-mode BatchNorm + ReLU + conv, one training step on the accelerator path: what one more block adds to the
     regularized step (captured) beyond what it adds to the plain step on the doubled batch (19 kernels: forward,
@@ -62,6 +65,7 @@ def test_a_regularized_batch_norm_block_launches_at_most_31_kernels_more_than_th
     assert added["clone"] - added["plain_2b"] <= 31, added
 
 
+@pytest.mark.slow
 def test_main_writes_both_tables(tmp_path):
     ops = load_script("op_counts")
     assert ops.main(["--suites", "", "--train", "mlp200:8", "--out", str(tmp_path / "counts")]) == 0

@@ -3,6 +3,7 @@ command is the one CI runs."""
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -25,6 +26,7 @@ def _double_backward_jvp(f, x, u):
     return ju
 
 
+@pytest.mark.slow
 def test_readme_quickstart_runs_and_its_jvps_are_exact():
     """The quickstart as written, in float64 (the default dtype for the run): its three JVPs equal the reverse-mode
     references (train-mode BatchNorm's output does not read the running stats the calls update), and its backward
