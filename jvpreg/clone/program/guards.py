@@ -17,7 +17,7 @@ check, which the eager model runs too.
 A guard is sound only if recomputing its tensors before the replay gives the values the read saw. The guard
 program holds the ops that compute them and every in-place write into what those ops read made before they
 read it (a Mixture-of-Experts layer's ``out.index_add_(...)``, whose result the next layer routes on; alias
-classes, :func:`jvpreg.clone.program.passes._alias_classes`, follow views). It cannot hold a random draw, a write into
+classes, :func:`jvpreg.clone.program.passes.analysis.alias_classes`, follow views). It cannot hold a random draw, a write into
 an input (a BatchNorm buffer updated in place: the guard would update it before the replay does), or a write
 into the read tensor after the read (which value did Python see?). Those make the capture fail with
 :class:`~jvpreg.clone.program.capture.CaptureError` and the call run in eager clone mode, as does a read the tracer
@@ -47,7 +47,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from jvpreg.clone.core import tensor as _tensor
-from jvpreg.clone.program.passes import _METADATA_ONLY, _alias_classes, _drop_dead, _pure, _written
+from jvpreg.clone.program.passes.analysis import METADATA_ONLY, alias_classes, pure, written
+from jvpreg.clone.program.passes.cleanup import drop_dead
 from jvpreg.clone.core.errors import CaptureError
 
 __all__ = ["Guard", "ValueReads", "dynamic_shapes", "split"]
@@ -361,17 +362,17 @@ def _why_not_replayable(node: torch.fx.Node, classes: dict, inputs: set) -> Opti
     """Why a guard program cannot run ``node`` again and get its recorded result, or ``None`` when it can: a pure
     op, or a deterministic write into a tensor the program made (not into an input: the guard would change it
     before the replay)."""
-    if node.op != "call_function" or node.target in _METADATA_ONLY or _pure(node.target):
+    if node.op != "call_function" or node.target in METADATA_ONLY or pure(node.target):
         return None
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return f"computed by {getattr(target, '__name__', target)}, which a guard program cannot run again"
     if torch.Tag.nondeterministic_seeded in target.tags:
         return f"computed from what the forward draws at random ({target})"
-    written = list(_written(node))
-    if not written and not target._schema.is_mutable:  # a batch norm in eval mode
+    targets = list(written(node))
+    if not targets and not target._schema.is_mutable:  # a batch norm in eval mode
         return None
-    if written and all(classes[w] not in inputs for w in written):
+    if targets and all(classes[w] not in inputs for w in targets):
         return None
     return f"computed from an input or buffer that the forward changes in place ({target})"
 
@@ -390,11 +391,11 @@ def split(gm: torch.fx.GraphModule, expected: Sequence[Tuple[str, Any]], names: 
     results = list(out.args[0])
     reads, kept = results[len(results) - n:], results[:len(results) - n]
     order = {node: i for i, node in enumerate(graph.nodes)}
-    classes = _alias_classes(graph)
+    classes = alias_classes(graph)
     writes: dict = {}  # alias class -> the ops that write into it
     for node in graph.nodes:
         if node.op == "call_function":
-            for w in _written(node):
+            for w in written(node):
                 writes.setdefault(classes[w], []).append(node)
     needed, todo = set(), [r for r in reads if isinstance(r, torch.fx.Node)]
     while todo:  # the reads' ops, and every write into what they read made before they read it
@@ -438,6 +439,6 @@ def split(gm: torch.fx.GraphModule, expected: Sequence[Tuple[str, Any]], names: 
     sub.output(tuple(env[r] for r in reads))
     guard = torch.fx.GraphModule(gm, sub)
     out.args = (type(out.args[0])(kept),)
-    _drop_dead(graph)
+    drop_dead(graph)
     gm.recompile()
     return guard
