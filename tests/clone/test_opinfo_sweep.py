@@ -193,7 +193,7 @@ def _check_captured(op, request, whole):
 
 
 # Value-shaped ops: a captured program holds the shapes its ops made, so an op whose output shape follows its
-# inputs' values (``nonzero``, ``x[mask]``, ``unique``) must be guarded (``jvpreg.clone.program.guards.dynamic_shapes``). Every
+# inputs' values (``nonzero``, ``x[mask]``, ``unique``) must be guarded (``jvpreg.clone.program.value_shapes.dynamic_shapes``). Every
 # op of the database (int64 or bool where it has no float64: index and mask ops are recorded too), each sample recorded
 # on its values and on others of the same shapes (``sweep.value_shaped``). These found value-shaped ops on torch 2.15
 # (12 OpInfos, 13 aten ops) and run in the quick run, on all N_SAMPLES; with --slow, every other OpInfo on every
@@ -214,10 +214,10 @@ def test_opinfo_value_shaped_ops_are_guarded(op):
 
 def test_value_shape_sweep_detects_an_unguarded_op(monkeypatch):
     """With the capture's shape guards taken away, ``nonzero`` is reported unguarded."""
-    from jvpreg.clone.program import guards
+    from jvpreg.clone.program import value_shapes
 
     op = next(o for o in sweep.value_shape_ops() if o.name == "nonzero")
-    monkeypatch.setattr(guards, "dynamic_shapes", lambda graph: [])
+    monkeypatch.setattr(value_shapes, "dynamic_shapes", lambda graph: [])
     assert any(name == "aten.nonzero.default" and not guarded for name, _, guarded in sweep.value_shaped(op))
 
 
