@@ -1,97 +1,11 @@
 """Captured clone mode: record a module's clone forward once as a plain aten program, then replay it.
 
-Eager clone mode pays 10-50 µs of Python per op (``__torch_function__``, rule lookup, block
-bookkeeping). For a given module and call signature that work is always the same, so
-:func:`call` runs it *once* under a tracer and keeps what reached the dispatcher: a
-``torch.fx.GraphModule`` of ordinary aten ops on the physical ``(K, *shape)`` tensors, with no
-tensor subclass and no rule lookup left. Later calls with the same signature replay it (each op
-through its cheapest exact entry point: :mod:`jvpreg.clone.program.replay`); the replay is ordinary eager
-PyTorch, so autograd through it gives exact gradients, BatchNorm's in-place running-statistics
-updates happen on the live buffers, and random ops (one dropout mask for all blocks) draw fresh
-numbers on every call. ``engine="auto"`` (the default for modules) runs the first call of a new signature in
-eager clone mode and captures on the second (:data:`EAGER_CALLS_BEFORE_CAPTURE`); ``engine="captured"``
-captures on the first. ``engine="compiled"`` hands the same program to
-``torch.compile`` so Inductor fuses the clone rules with the model's ops (jvpreg's own operators stay opaque
-kernels; on the CPU without layout optimisation: :func:`inductor_options`). :func:`jvpreg.jvp` records its
-whole call as one program: ``(x, u, s) -> (f(x), J u)``, the packing ``[x; x + s u]`` and the unpacking
-``(y_1 - y_0) / s`` included, so a replay runs no Python between them; on an accelerator ``(x, u) -> (f(x), J u)``,
-the choice of ``s`` from the norms included (:func:`jvpreg.clone.api.device_scales`: kernels there, which a compiled
-program fuses).
-
-Choice of tracer. ``make_fx(pre_dispatch=True, tracing_mode="real")``:
-
-* *pre-dispatch* records ops above autograd (``aten.linear``, not ``t`` + ``addmm`` + views) and
-  records grad-mode switches (``torch.no_grad`` inside a rule or model) in the graph;
-* *real* tensors run the eager clone forward for real while it is recorded, so every rule runs
-  unchanged. A read of a tensor's *value* by Python (``if mask.all()``, ``.item()``, ``.tolist()``) is
-  answered and *guarded* (:mod:`jvpreg.clone.program.guards`): the ops that compute the tensor read run before each
-  replay, which goes ahead only if they give the same values, and the shape of an op whose output size
-  depends on values (``nonzero``, ``x[mask]``, ``torch.where(c)``) is guarded alike. A call with other values replays or records
-  another program of the same signature (up to :data:`MAX_VARIANTS`; ``engine="auto"`` runs values seen once
-  eagerly and records them when they recur, and stops guarding values that never do); a read that cannot be re-checked
-  (of a value drawn at random, or computed from an input the forward writes in place, or written after the read,
-  or one made inside a C++ op) makes that
-  signature fall back to eager clone mode with one :class:`JVPCaptureWarning` that says why.
-Dynamo was the alternative: it guards Python state generally, but it must trace the engine's own
-Python, and clone tensors report their primal's shape, which its fake-tensor inputs cannot express.
-The clone subclass stays invisible to the tracer: clone tensors made while capturing carry their
-tracked physical tensor (:func:`jvpreg.clone.core.tensor.track`).
-
-Guards (checked on every call, cheaply): the call's pytree structure and every tensor's shape, dtype,
-device, ``requires_grad``, block count and, on the CPU, whether its values are finite (the program drops
-the non-finite fix where no infinity can reach it: :mod:`jvpreg.clone.program.passes`); identity of every
-parameter and buffer (a replaced tensor recaptures; a clone parameter, put in by
-:func:`jvpreg.clone.swapped_tensors`, is matched by its metadata); every submodule's ``training`` flag and
-its children (a swapped submodule recaptures), except on torch.nn leaves whose forward reads neither
-(``Linear``, ``ReLU``, ...: a third to a half of the guard's cost); plain tensor attributes of the modules
-that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode, autocast
-state, the default dtype (factory ops such as ``torch.full`` without a dtype follow it), the fallback mode,
-the device path (:mod:`jvpreg.clone.core.device_paths`) and the engine (``"compiled"`` records its own program).
-Forward hooks are rescanned whenever torch's hook-handle counter moved: a hook registered after a capture sends
-the module to eager clone mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
-
-Measured cost of the guard on a cold cache (a replay follows other work, as in training): about 25 µs for
-a 20-layer MLP, 200 µs for MobileNetV3-small (209 modules, 278 tensors); the guard touches every module
-it guards, so it grows with the module count, not with the batch.
-
-Activation checkpointing: each checkpointed region of a forward recorded with gradients replays as a sub-program
-called through ``torch.utils.checkpoint`` (:mod:`jvpreg.clone.program.checkpointed_regions`), so the program saves what a
-checkpointed forward of the doubled batch saves.
-
-Limits (each falls back to eager clone mode with a warning, never a wrong answer):
-* inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``jvp``) or a forward-mode AD dual level, whose
-  wrapped or dual tensors a program cannot hold, every call runs eagerly, also where a program of its signature
-  exists (``engine="auto"`` without a warning);
-* Python reads of tensor values that cannot be re-checked (above), or that differ on every call; custom
-  ``autograd.Function`` s on plain tensors under
-  autograd (their backward would not be replayed); modules with forward hooks other than
-  weight/spectral norm's (a hook's Python side effects would not be replayed); Python that seeds or sets the random
-  number generators inside the forward (``torch.manual_seed``, ``fork_rng``, ``self.gen.manual_seed``: a replay
-  would draw other dropout masks; where the forward draws random numbers, the capture runs the program once more
-  from the state the trace started at, one draw past the caller's so that no seeding lands there, and compares the
-  generators' states with the forward's: the default CPU and device generators and every ``torch.Generator`` the
-  model holds as an attribute); random ops that name a generator the model does not hold (one made in the forward:
-  the program would keep drawing from the one made at capture); a forward that sets Python attributes of its
-  modules to new values (``self.calls += 1``: a replay would not set them; the trace's writes are taken back, so
-  the call runs eagerly and sets them once; :mod:`jvpreg.clone.program.side_effects`); FSDP1-managed modules
-  and DTensor parameters (their collectives belong to FSDP's hooks: under FSDP2 the module runs eagerly around
-  each ``fully_shard``-ed unit, whose forward body is captured, :mod:`jvpreg.clone.program.sharded_units`); a constant
-  of the recorded program that
-  shares memory with a traced tensor (an alias made where the tracer cannot see it, e.g. ``as_subclass``:
-  it would replay the capturing call's values).
-* Python attributes of the modules that the forward reads (dropout ``p``, ``eps``, a stride, a flag, a function)
-  steer what the trace records: they are recorded during the trace and re-checked before every replay (numbers,
-  strings and flags by value, other objects by identity, along the whole chain of reads through the objects the
-  modules hold or the call passes, ``trainer.fit_loop.epoch_progress.current.completed``;
-  :class:`jvpreg.clone.program.side_effects.AttributeReads`), and a change recaptures (after :data:`MAX_VARIANTS` changes
-  less than :data:`STEADY_REPLAYS` calls apart, eager clone mode with a warning). Plain module globals that the
-  model's code reads are re-checked too (:class:`jvpreg.clone.program.side_effects.Globals`). Containers other than lists and dicts of plain values are
-  re-checked by identity: after changing one in place, call :func:`reset`.
-* Parameters and buffers are checked for infinities once, at capture: one that turns non-finite later
-  (a diverged run) gives NaN tangents where the non-finite fix would give 0 (loud, never a wrong finite
-  value); :func:`reset` recaptures.
-* The set of parameter and buffer names is read at the first call: a parameter *registered* later on an
-  existing module (not a replaced one) is not seen until :func:`reset`.
+:func:`call` runs the eager clone forward of a call signature once under ``make_fx(pre_dispatch=True,
+tracing_mode="real")`` and keeps what reached the dispatcher: a ``torch.fx.GraphModule`` of aten ops on the physical
+``(K, *shape)`` tensors, with no tensor subclass and no rule lookup left, shrunk by :mod:`.passes`. Later calls of the
+signature replay it (:mod:`.replay`) while its guards hold (:mod:`.guards`); ``engine="compiled"`` hands it to
+``torch.compile``. What cannot be replayed exactly runs in eager clone mode with one :class:`JVPCaptureWarning` that
+says why. The design, its guards and its limits: ``docs/engine.md``, "Engines: eager, captured, compiled".
 """
 from __future__ import annotations
 
@@ -141,10 +55,9 @@ MAX_MISSED_VALUES = 16
 #: a program replayed this many times before an attribute it read changed counts as steady: its recapture does
 #: not count toward the MAX_VARIANTS changes after which a signature runs eagerly
 STEADY_REPLAYS = 16
-#: ``engine="auto"`` runs this many calls of a new call signature in eager clone mode before it captures one.
-#: A capture costs 10-170x an eager call (on this CPU 0.1-0.8 s for an MLP, ResNet-18 or a 4-layer ViT after the
-#: process's first capture, which takes 0.5-1.5 s; 2-7 s for timm's CoaT or Inception-v4), which a signature
-#: called once (an analysis call, a notebook cell, a last partial batch) never earns back.
+#: ``engine="auto"`` runs this many calls of a new call signature in eager clone mode before it captures one: a
+#: capture costs many eager calls (``docs/engine.md``), which a signature called once (an analysis call, a notebook
+#: cell, a last partial batch) never earns back.
 EAGER_CALLS_BEFORE_CAPTURE = 1
 _MAX_SEEN = 256  # signatures remembered as seen-but-not-captured per module (transient shapes stay eager)
 
@@ -153,13 +66,11 @@ def inductor_options(device_type: str) -> Dict[str, Any]:
     """Inductor options ``engine="compiled"`` compiles a program with (``torch.compile(..., options=...)``).
 
     On the CPU, no layout optimisation: Inductor would switch convolutions to channels-last and, since a
-    program's weights are its inputs, copy every convolution weight to that layout on every call. On this
-    CPU that made ResNet-18 (batch 1, 32x32) 2.6x slower compiled than without it (15.5 ms against 5.9 ms for
-    the compiled 2B forward, 21 ms against 6.2 ms for the compiled JVP) and ResNet-50 (batch 8, 64x64) 1.5x
-    (103 ms against 69 ms); MobileNetV3-small was unchanged. Training steps gained at every size measured
-    (ResNet-18: 164 -> 114 ms at batch 64, 32x32; 822 -> 754 ms at batch 128, 64x64). What it costs: eval-mode
-    programs of convolution-heavy models at large activations (VGG-16 and DenseNet-121, 16 rows of 64x64: 15-18%
-    slower than torch.compile's default). The benchmarks compile their 2B forward alike."""
+    program's weights are its inputs, copy every convolution weight to that layout on every call, which made
+    small-batch convolutional networks slower compiled than without it; training steps gained at every size
+    measured. What it costs: eval-mode programs of convolution-heavy models at large activations are slower than
+    under torch.compile's default (the figures: ``docs/engine.md``). The benchmarks compile their 2B forward
+    alike."""
     return {"layout_optimization": False} if device_type == "cpu" else {}
 
 
@@ -207,7 +118,7 @@ def unwrap_compiled(func: Any) -> Any:
     orig = _orig_of(func)
     if orig is not None:
         return orig
-    if isinstance(func, nn.Module):  # a module's __getattr__ miss is slow (about 1 µs): only functions carry it
+    if isinstance(func, nn.Module):  # a module's __getattr__ miss is slow: only functions carry it
         return func
     return getattr(func, "_torchdynamo_orig_callable", func)
 
@@ -348,7 +259,7 @@ def _finite(leaf: torch.Tensor) -> bool:
 
 
 def _all_finite(t: torch.Tensor) -> bool:
-    # a sum is finite only if every entry is (overflow can only say "non-finite"): 10-40x faster than isfinite().all()
+    # a sum is finite only if every entry is (overflow can only say "non-finite"): faster than isfinite().all()
     if t.is_floating_point():
         return math.isfinite(t.detach().sum())
     return not t.is_complex() or math.isfinite(abs(complex(t.detach().sum())))
