@@ -125,6 +125,33 @@ def test_a_branch_on_a_value_gets_one_program_per_branch_and_reuses_them():
     assert prog.guards.values.names == ("Tensor.__bool__",)
 
 
+class ScaleByBranch(nn.Module):
+    """Each side of a branch on a value reads another attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = 2.0, 3.0
+
+    def forward(self, x):
+        return torch.tanh(x) * (self.a if x.sum() > 0 else self.b)
+
+
+def test_a_program_for_other_values_is_re_checked_against_the_attributes_its_own_trace_read():
+    """The program of the negative side read ``self.b``, which the first program (positive side) never read: a
+    changed ``b`` must not replay the old one (before, each variant was checked against the first program's reads
+    only, and replayed the old ``b``)."""
+    model = ScaleByBranch()
+    pos, u = torch.ones(2, 3, dtype=D), randn(2, 3)
+    for x in (pos, -pos, pos, -pos):
+        jvpreg.jvp(model, (x,), (u,))
+    assert len(_program(model).variants) == 1
+    model.b = 5.0
+    for x in (-pos, pos):
+        _, t = jvpreg.jvp(model, (x,), (u,))
+        torch.testing.assert_close(t, jvpreg.jvp(model, (x,), (u,), engine="eager")[1], rtol=0, atol=0)
+    assert len(_program(model).variants) == 2  # one recorded for the new b
+
+
 ROWS = {  # the rows where a condition holds, as users write it: ops the pre-dispatch tracer keeps whole included
     "nonzero": (lambda c: c.nonzero()[:, 0], "aten.nonzero.default"),
     "where": (lambda c: torch.where(c)[0], "aten.where.default"),  # composite: nonzero inside
