@@ -31,7 +31,7 @@ rules are; ``Result.capture`` says whether the case was captured or ran eagerly,
 
 :func:`value_shaped` sweeps the database for ops whose output *shape* follows their inputs' values (every OpInfo,
 in int64 or bool where it has no float64): each sample recorded as the capture records it, then on other values of
-the same shapes; such an op must be one the capture guards (:func:`jvpreg.clone.program.guards.dynamic_shapes`).
+the same shapes; such an op must be one the capture guards (:func:`jvpreg.clone.program.value_shapes.dynamic_shapes`).
 
 Used by ``tests/clone/test_opinfo_sweep.py`` and ``scripts/coverage_table.py`` (the op database needs ``expecttest``);
 :func:`check` runs the same comparison on any function, for a rule of your own.
@@ -703,7 +703,7 @@ def _other_values(t: Any, kind: int, gen: torch.Generator) -> Any:
 
 def value_shaped(op, n_samples: int = N_SAMPLES, every: int = 1) -> list:
     """``(aten op, sample, guarded)`` for each op in the recorded program of one of ``op``'s samples whose output
-    shape changes with its arguments' *values*; ``guarded``: :func:`jvpreg.clone.program.guards.dynamic_shapes` (what the
+    shape changes with its arguments' *values*; ``guarded``: :func:`jvpreg.clone.program.value_shapes.dynamic_shapes` (what the
     capture guards) holds it. One that it leaves out would make a program hold the recorded shape without a guard,
     silently wrong or crashing on other values.
 
@@ -712,7 +712,7 @@ def value_shaped(op, n_samples: int = N_SAMPLES, every: int = 1) -> list:
     target, arguments' shapes or non-tensor arguments differ (the control flow parted). An op with the same
     arguments and another output shape is value-shaped. Values the op rejects (an index out of range), and samples
     that cannot be recorded, are skipped. ``every``: every ``every``-th sample only (:func:`strided`)."""
-    from jvpreg.clone.program.guards import dynamic_shapes
+    from jvpreg.clone.program.value_shapes import dynamic_shapes
 
     dtype = _value_shape_dtype(op)
     torch.manual_seed(0)

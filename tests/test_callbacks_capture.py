@@ -100,4 +100,4 @@ def test_a_forward_that_reads_the_epoch_recaptures_when_it_changes():
             torch.testing.assert_close(g[name], value, rtol=1e-10, atol=1e-12, msg=lambda m: f"step {step} {name}: {m}")
     (prog,) = capture.programs(lit).values()
     assert prog.gm is not None
-    assert "_trainer.fit_loop.epoch_progress.current.completed" in {label for *_, label in prog.reads}
+    assert "_trainer.fit_loop.epoch_progress.current.completed" in {label for *_, label in prog.guards.attributes}

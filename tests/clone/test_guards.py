@@ -1,4 +1,4 @@
-"""Value guards (jvpreg.clone.program.guards): a captured program whose Python read tensor values replays only for those values.
+"""Value guards (jvpreg.clone.program.value_guard): a captured program whose Python read tensor values replays only for those values.
 
 References: torch.func.jvp in float64, and the eager clone engine where torch.func cannot run the model."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import nn
 import jvpreg
 from jvpreg.clone import JVPCaptureWarning
 from jvpreg.clone.program import capture
-from jvpreg.clone.program.guards import same
+from jvpreg.clone.program.value_guard import same
 
 D = torch.float64
 
@@ -69,7 +69,7 @@ def test_a_value_read_by_python_is_guarded_and_every_call_exact(read):
         _, t = jvpreg.jvp(model, (x,), (u,))
         torch.testing.assert_close(t, _scaled_jvp(x, u), rtol=1e-12, atol=1e-12)
     prog = _program(model)
-    assert prog.gm is not None and prog.guard is not None and not prog.variants
+    assert prog.gm is not None and prog.guards.values is not None and not prog.variants
     for _ in range(2):  # new values: a program recorded for each (up to MAX_VARIANTS), every answer exact
         x = randn(3, 4)
         _, t = jvpreg.jvp(model, (x,), (u,))
@@ -124,7 +124,34 @@ def test_a_branch_on_a_value_gets_one_program_per_branch_and_reuses_them():
         calls.append(len(_program(model).variants))
     assert calls == [0, 1, 1, 1, 1]
     prog = _program(model)
-    assert prog.guard.names == ("Tensor.__bool__",)
+    assert prog.guards.values.names == ("Tensor.__bool__",)
+
+
+class ScaleByBranch(nn.Module):
+    """Each side of a branch on a value reads another attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = 2.0, 3.0
+
+    def forward(self, x):
+        return torch.tanh(x) * (self.a if x.sum() > 0 else self.b)
+
+
+def test_a_program_for_other_values_is_re_checked_against_the_attributes_its_own_trace_read():
+    """The program of the negative side read ``self.b``, which the first program (positive side) never read: a
+    changed ``b`` must not replay the old one (before, each variant was checked against the first program's reads
+    only, and replayed the old ``b``)."""
+    model = ScaleByBranch()
+    pos, u = torch.ones(2, 3, dtype=D), randn(2, 3)
+    for x in (pos, -pos, pos, -pos):
+        jvpreg.jvp(model, (x,), (u,))
+    assert len(_program(model).variants) == 1
+    model.b = 5.0
+    for x in (-pos, pos):
+        _, t = jvpreg.jvp(model, (x,), (u,))
+        torch.testing.assert_close(t, jvpreg.jvp(model, (x,), (u,), engine="eager")[1], rtol=0, atol=0)
+    assert len(_program(model).variants) == 2  # one recorded for the new b
 
 
 ROWS = {  # the rows where a condition holds, as users write it: ops the pre-dispatch tracer keeps whole included
@@ -161,7 +188,7 @@ def test_an_output_shape_that_depends_on_values_is_guarded(rows):
         assert torch.equal(y, y_ref) and torch.equal(t, t_ref)
         torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1], rtol=1e-12, atol=1e-12)
     prog = _program(model)
-    assert any(name.startswith("the shape of " + ROWS[rows][1]) for name in prog.guard.names)
+    assert any(name.startswith("the shape of " + ROWS[rows][1]) for name in prog.guards.values.names)
     assert len(prog.variants) == 2  # counts 0, 3 and 1
 
 
@@ -303,7 +330,7 @@ def test_values_computed_from_tensors_the_forward_writes_in_place_are_guarded():
             torch.testing.assert_close(t, torch.func.jvp(model, (x,), (u,))[1], rtol=1e-12, atol=1e-12)
     prog = _program(model)
     assert prog.gm is not None and len(prog.variants) == 2  # three routings, each recorded once
-    guard_ops = {n.target for n in prog.guard.fn.__self__.graph.nodes}
+    guard_ops = {n.target for n in prog.guards.values.fn.__self__.graph.nodes}
     assert torch.ops.aten.copy_.default in guard_ops  # the write into ``out``, replayed by the guard
 
 
@@ -513,6 +540,6 @@ def test_a_packed_lstm_training_step_is_captured_with_no_guard_on_its_shape():
         grads.append([p.grad.clone() for p in model.parameters()])
         if engine == "auto":
             prog = _program(model)
-            assert prog.gm is not None and not any("lstm" in name for name in prog.guard.names)
+            assert prog.gm is not None and not any("lstm" in name for name in prog.guards.values.names)
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -198,7 +198,7 @@ def _check_captured(op, request, whole):
 
 
 # Value-shaped ops: a captured program holds the shapes its ops made, so an op whose output shape follows its
-# inputs' values (``nonzero``, ``x[mask]``, ``unique``) must be guarded (``jvpreg.clone.program.guards.dynamic_shapes``). Every
+# inputs' values (``nonzero``, ``x[mask]``, ``unique``) must be guarded (``jvpreg.clone.program.value_shapes.dynamic_shapes``). Every
 # op of the database (int64 or bool where it has no float64: index and mask ops are recorded too), each sample recorded
 # on its values and on others of the same shapes (``sweep.value_shaped``). These found value-shaped ops on torch 2.15
 # (12 OpInfos, 13 aten ops) and run on all N_SAMPLES: repeat_interleave in the quick tier (the others take 2-16 s
@@ -221,10 +221,10 @@ def test_opinfo_value_shaped_ops_are_guarded(op):
 @pytest.mark.slow
 def test_value_shape_sweep_detects_an_unguarded_op(monkeypatch):
     """With the capture's shape guards taken away, ``nonzero`` is reported unguarded."""
-    from jvpreg.clone.program import guards
+    from jvpreg.clone.program import value_shapes
 
     op = next(o for o in sweep.value_shape_ops() if o.name == "nonzero")
-    monkeypatch.setattr(guards, "dynamic_shapes", lambda graph: [])
+    monkeypatch.setattr(value_shapes, "dynamic_shapes", lambda graph: [])
     assert any(name == "aten.nonzero.default" and not guarded for name, _, guarded in sweep.value_shaped(op))
 
 
@@ -303,12 +303,12 @@ def _scaled_by_its_largest_entry(x):
 def test_captured_sweep_replays_on_other_values_and_detects_an_unguarded_read(monkeypatch):
     """The captured sweep replays each program on other values of the input: a value read by Python that the
     program replayed without its guard (here: every guard taken as holding) is a mismatch there."""
-    from jvpreg.clone.program import capture
+    from jvpreg.clone.program.guards import Guards
 
     x = torch.randn(3, 4, dtype=torch.float64)
     case = sweep.Case("scaled", "", 0, 0, _scaled_by_its_largest_entry, x)
     assert sweep.run_case(case, engine="captured").kind == "rule"
-    monkeypatch.setattr(capture, "_matching", lambda base, inputs: (base, None))
+    monkeypatch.setattr(Guards, "check", lambda self, root, inputs: None)
     result = sweep.run_case(case, engine="captured")
     assert result.kind == "mismatch" and "replay on other values" in result.detail, result
 

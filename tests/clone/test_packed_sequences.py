@@ -154,7 +154,7 @@ def test_lengths_made_in_the_forward_from_a_list_are_captured():
             _, t = jvpreg.jvp(model, (x,), (u,), engine="captured")
         torch.testing.assert_close(t, reverse_jvp(model, x, u), rtol=1e-10, atol=1e-12)
     (prog,) = capture.programs(model).values()
-    assert prog.gm is not None and prog.guard is not None
+    assert prog.gm is not None and prog.guards.values is not None
 
 
 @pytest.mark.parametrize("with_parameter_tangents", [False, pytest.param(True, marks=pytest.mark.slow)])

@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
 from jvpreg.clone.program import capture, passes
+from jvpreg.clone.program.passes import analysis, batch_norm_relu, infinities
 
 
 @pytest.fixture(autouse=True)
@@ -288,7 +289,7 @@ def test_hardtanh_is_bounded_only_with_finite_known_bounds(args, kwargs, bounded
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     node = graph.call_function(aten.hardtanh.default, (x, *args), kwargs)
-    assert passes._bounded(node) == bounded
+    assert infinities._bounded(node) == bounded
 
 
 def _graded(fn, *inputs, tracing_mode="real"):
@@ -572,7 +573,7 @@ def test_batch_norm_output_read_twice_is_not_fused():
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     zt = torch.randn(2, 4, 3, dtype=D)
     want = gm(zt)
-    passes._fuse_batch_norm_relu(gm.graph)
+    batch_norm_relu.fuse_batch_norm_relu(gm.graph)
     gm.recompile()
     assert not ops(gm)[torch.ops.jvpreg.batch_norm_relu_blocks.default]
     got = gm(zt)
@@ -593,7 +594,7 @@ def test_alias_classes_follow_views_and_keep_a_multi_result_ops_results_apart():
         return values, indices.float(), first, rest
 
     gm = make_fx(f, tracing_mode="real", pre_dispatch=True)(torch.randn(4, 5, dtype=D))
-    classes = passes._alias_classes(gm.graph)
+    classes = analysis.alias_classes(gm.graph)
     by_target = collections.defaultdict(list)
     for n in gm.graph.nodes:
         by_target[n.target].append(n)
@@ -605,5 +606,5 @@ def test_alias_classes_follow_views_and_keep_a_multi_result_ops_results_apart():
     parts = by_target[aten.split_with_sizes.default][0]
     assert all(classes[u] == classes[x] for u in parts.users)
     assert classes[by_target[aten.view.default][0]] == classes[x] == classes[by_target[aten.add_.Tensor][0]]
-    last = passes._last_writes(gm.graph)
+    last = analysis.last_writes(gm.graph)
     assert indices not in last and last[values] < last[x]  # the add_ comes after the div_

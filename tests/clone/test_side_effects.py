@@ -429,7 +429,7 @@ def test_attributes_read_are_recorded_by_value_and_the_classes_are_put_back():
     _calls(model, randn(4, 6), randn(4, 6), "captured")
     assert [type(m) for m in model.modules()] == classes
     (prog,) = capture.programs(model).values()
-    read = {name: (value, by_value) for _, name, value, by_value, _ in prog.reads}
+    read = {name: (value, by_value) for _, name, value, by_value, _ in prog.guards.attributes}
     assert read["negative_slope"] == (0.1, True) and read["eps"] == (1e-5, True)
     assert read["normalized_shape"] == ((8,), True) and read["residual"] == (False, True)
     assert read["act"] == (torch.tanh, False)  # a function: by identity
@@ -547,7 +547,7 @@ def test_a_changed_field_of_a_held_object_or_class_constant_recaptures(change):
     torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
     (prog,) = capture.programs(model).values()
-    labels = {label for *_, label in prog.reads}
+    labels = {label for *_, label in prog.guards.attributes}
     assert {"settings", "settings.slope", "settings.residual", "scale"} <= labels
 
 
@@ -628,7 +628,7 @@ def test_a_changed_field_of_an_argument_object_recaptures(change):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     (prog,) = capture.programs(model).values()
     assert settings in prog.keep  # alive: an equal id is this object
-    assert {"_Settings.slope", "_Settings.gains", "_Settings.inner.shift"} <= {label for *_, label in prog.reads}
+    assert {"_Settings.slope", "_Settings.gains", "_Settings.inner.shift"} <= {label for *_, label in prog.guards.attributes}
 
 
 SLOPE, GAIN, CALLS = 0.1, 1.0, 0  # module globals the forwards below read (and one writes)
@@ -666,7 +666,7 @@ def test_a_changed_module_global_that_the_forward_reads_recaptures(name, monkeyp
     torch.testing.assert_close(y, y_e, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(t, t_e, rtol=1e-12, atol=1e-12)
     (prog,) = capture.programs(model).values()
-    assert {f"{__name__}.SLOPE", f"{__name__}.GAIN"} <= {label for *_, label in prog.reads}
+    assert {f"{__name__}.SLOPE", f"{__name__}.GAIN"} <= {label for *_, label in prog.guards.attributes}
 
 
 def test_a_forward_that_rebinds_a_module_global_runs_eagerly_and_rebinds_it_once_per_call(monkeypatch):

@@ -1,97 +1,11 @@
 """Captured clone mode: record a module's clone forward once as a plain aten program, then replay it.
 
-Eager clone mode pays 10-50 µs of Python per op (``__torch_function__``, rule lookup, block
-bookkeeping). For a given module and call signature that work is always the same, so
-:func:`call` runs it *once* under a tracer and keeps what reached the dispatcher: a
-``torch.fx.GraphModule`` of ordinary aten ops on the physical ``(K, *shape)`` tensors, with no
-tensor subclass and no rule lookup left. Later calls with the same signature replay it (each op
-through its cheapest exact entry point: :mod:`jvpreg.clone.program.replay`); the replay is ordinary eager
-PyTorch, so autograd through it gives exact gradients, BatchNorm's in-place running-statistics
-updates happen on the live buffers, and random ops (one dropout mask for all blocks) draw fresh
-numbers on every call. ``engine="auto"`` (the default for modules) runs the first call of a new signature in
-eager clone mode and captures on the second (:data:`EAGER_CALLS_BEFORE_CAPTURE`); ``engine="captured"``
-captures on the first. ``engine="compiled"`` hands the same program to
-``torch.compile`` so Inductor fuses the clone rules with the model's ops (jvpreg's own operators stay opaque
-kernels; on the CPU without layout optimisation: :func:`inductor_options`). :func:`jvpreg.jvp` records its
-whole call as one program: ``(x, u, s) -> (f(x), J u)``, the packing ``[x; x + s u]`` and the unpacking
-``(y_1 - y_0) / s`` included, so a replay runs no Python between them; on an accelerator ``(x, u) -> (f(x), J u)``,
-the choice of ``s`` from the norms included (:func:`jvpreg.clone.api.device_scales`: kernels there, which a compiled
-program fuses).
-
-Choice of tracer. ``make_fx(pre_dispatch=True, tracing_mode="real")``:
-
-* *pre-dispatch* records ops above autograd (``aten.linear``, not ``t`` + ``addmm`` + views) and
-  records grad-mode switches (``torch.no_grad`` inside a rule or model) in the graph;
-* *real* tensors run the eager clone forward for real while it is recorded, so every rule runs
-  unchanged. A read of a tensor's *value* by Python (``if mask.all()``, ``.item()``, ``.tolist()``) is
-  answered and *guarded* (:mod:`jvpreg.clone.program.guards`): the ops that compute the tensor read run before each
-  replay, which goes ahead only if they give the same values, and the shape of an op whose output size
-  depends on values (``nonzero``, ``x[mask]``, ``torch.where(c)``) is guarded alike. A call with other values replays or records
-  another program of the same signature (up to :data:`MAX_VARIANTS`; ``engine="auto"`` runs values seen once
-  eagerly and records them when they recur, and stops guarding values that never do); a read that cannot be re-checked
-  (of a value drawn at random, or computed from an input the forward writes in place, or written after the read,
-  or one made inside a C++ op) makes that
-  signature fall back to eager clone mode with one :class:`JVPCaptureWarning` that says why.
-Dynamo was the alternative: it guards Python state generally, but it must trace the engine's own
-Python, and clone tensors report their primal's shape, which its fake-tensor inputs cannot express.
-The clone subclass stays invisible to the tracer: clone tensors made while capturing carry their
-tracked physical tensor (:func:`jvpreg.clone.core.tensor.track`).
-
-Guards (checked on every call, cheaply): the call's pytree structure and every tensor's shape, dtype,
-device, ``requires_grad``, block count and, on the CPU, whether its values are finite (the program drops
-the non-finite fix where no infinity can reach it: :mod:`jvpreg.clone.program.passes`); identity of every
-parameter and buffer (a replaced tensor recaptures; a clone parameter, put in by
-:func:`jvpreg.clone.swapped_tensors`, is matched by its metadata); every submodule's ``training`` flag and
-its children (a swapped submodule recaptures), except on torch.nn leaves whose forward reads neither
-(``Linear``, ``ReLU``, ...: a third to a half of the guard's cost); plain tensor attributes of the modules
-that the program holds (``self.scale = torch.tensor(...)`` reassigned recaptures); grad mode, autocast
-state, the default dtype (factory ops such as ``torch.full`` without a dtype follow it), the fallback mode,
-the device path (:mod:`jvpreg.clone.core.device_paths`) and the engine (``"compiled"`` records its own program).
-Forward hooks are rescanned whenever torch's hook-handle counter moved: a hook registered after a capture sends
-the module to eager clone mode. A changed guard captures a new program (up to :data:`MAX_PROGRAMS` per module).
-
-Measured cost of the guard on a cold cache (a replay follows other work, as in training): about 25 µs for
-a 20-layer MLP, 200 µs for MobileNetV3-small (209 modules, 278 tensors); the guard touches every module
-it guards, so it grows with the module count, not with the batch.
-
-Activation checkpointing: each checkpointed region of a forward recorded with gradients replays as a sub-program
-called through ``torch.utils.checkpoint`` (:mod:`jvpreg.clone.program.checkpointed_regions`), so the program saves what a
-checkpointed forward of the doubled batch saves.
-
-Limits (each falls back to eager clone mode with a warning, never a wrong answer):
-* inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``jvp``) or a forward-mode AD dual level, whose
-  wrapped or dual tensors a program cannot hold, every call runs eagerly, also where a program of its signature
-  exists (``engine="auto"`` without a warning);
-* Python reads of tensor values that cannot be re-checked (above), or that differ on every call; custom
-  ``autograd.Function`` s on plain tensors under
-  autograd (their backward would not be replayed); modules with forward hooks other than
-  weight/spectral norm's (a hook's Python side effects would not be replayed); Python that seeds or sets the random
-  number generators inside the forward (``torch.manual_seed``, ``fork_rng``, ``self.gen.manual_seed``: a replay
-  would draw other dropout masks; where the forward draws random numbers, the capture runs the program once more
-  from the state the trace started at, one draw past the caller's so that no seeding lands there, and compares the
-  generators' states with the forward's: the default CPU and device generators and every ``torch.Generator`` the
-  model holds as an attribute); random ops that name a generator the model does not hold (one made in the forward:
-  the program would keep drawing from the one made at capture); a forward that sets Python attributes of its
-  modules to new values (``self.calls += 1``: a replay would not set them; the trace's writes are taken back, so
-  the call runs eagerly and sets them once; :mod:`jvpreg.clone.program.side_effects`); FSDP1-managed modules
-  and DTensor parameters (their collectives belong to FSDP's hooks: under FSDP2 the module runs eagerly around
-  each ``fully_shard``-ed unit, whose forward body is captured, :mod:`jvpreg.clone.program.sharded_units`); a constant
-  of the recorded program that
-  shares memory with a traced tensor (an alias made where the tracer cannot see it, e.g. ``as_subclass``:
-  it would replay the capturing call's values).
-* Python attributes of the modules that the forward reads (dropout ``p``, ``eps``, a stride, a flag, a function)
-  steer what the trace records: they are recorded during the trace and re-checked before every replay (numbers,
-  strings and flags by value, other objects by identity, along the whole chain of reads through the objects the
-  modules hold or the call passes, ``trainer.fit_loop.epoch_progress.current.completed``;
-  :class:`jvpreg.clone.program.side_effects.AttributeReads`), and a change recaptures (after :data:`MAX_VARIANTS` changes
-  less than :data:`STEADY_REPLAYS` calls apart, eager clone mode with a warning). Plain module globals that the
-  model's code reads are re-checked too (:class:`jvpreg.clone.program.side_effects.Globals`). Containers other than lists and dicts of plain values are
-  re-checked by identity: after changing one in place, call :func:`reset`.
-* Parameters and buffers are checked for infinities once, at capture: one that turns non-finite later
-  (a diverged run) gives NaN tangents where the non-finite fix would give 0 (loud, never a wrong finite
-  value); :func:`reset` recaptures.
-* The set of parameter and buffer names is read at the first call: a parameter *registered* later on an
-  existing module (not a replaced one) is not seen until :func:`reset`.
+:func:`call` runs the eager clone forward of a call signature once under ``make_fx(pre_dispatch=True,
+tracing_mode="real")`` and keeps what reached the dispatcher: a ``torch.fx.GraphModule`` of aten ops on the physical
+``(K, *shape)`` tensors, with no tensor subclass and no rule lookup left, shrunk by :mod:`.passes`. Later calls of the
+signature replay it (:mod:`.replay`) while its guards hold (:mod:`.guards`); ``engine="compiled"`` hands it to
+``torch.compile``. What cannot be replayed exactly runs in eager clone mode with one :class:`JVPCaptureWarning` that
+says why. The design, its guards and its limits: ``docs/engine.md``, "Engines: eager, captured, compiled".
 """
 from __future__ import annotations
 
@@ -102,13 +16,12 @@ import operator
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.hooks import RemovableHandle
 
 from jvpreg.clone.core.errors import CaptureError, JVPCaptureWarning
 from jvpreg.clone.program import checkpointed_regions, sharded_units
@@ -118,10 +31,12 @@ from jvpreg.clone.rules import kernels
 from jvpreg.clone.core import tensor as _tensor
 from jvpreg.clone.eager.dispatch import _FALLBACK
 from jvpreg.clone.core.registry import Handlers
-from jvpreg.clone.program.guards import Guard, ValueReads, dynamic_shapes, split
+from jvpreg.clone.program.guards import ATTRIBUTES, VALUES, Guards, Miss, ModuleGuard
+from jvpreg.clone.program.value_guard import expected_reads, split_off
+from jvpreg.clone.program.value_reads import ValueReads
 from jvpreg.clone.program.replay import replay_function
 from jvpreg.clone.program.side_effects import (AttributeReads, Attributes, Generators, Globals, argument_objects,
-    changed, held_generators, hold, is_held_object)
+    held_generators, is_held_object)
 from jvpreg.clone.program.passes import largest_magnitude, optimize
 from jvpreg.clone.core.tensor import _ANY_AUTOCAST, CloneTensor
 
@@ -131,18 +46,18 @@ __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGE
 ENGINES = ("auto", "eager", "captured", "compiled", "graphed")
 MAX_PROGRAMS = 16
 #: Programs recorded for one call signature whose Python reads tensor values (one per set of values read,
-#: :mod:`jvpreg.clone.program.guards`); past this many the signature runs in eager clone mode. ``engine="auto"`` records
-#: one for values that no program holds only when they recur (:data:`EAGER_CALLS_BEFORE_CAPTURE`), and gives up
-#: after :data:`MAX_MISSED_VALUES` distinct values that did not (values that change on every call).
+#: :mod:`jvpreg.clone.program.value_guard`); past this many the signature runs in eager clone mode.
+#: ``engine="auto"`` records one for values that no program holds only when they recur
+#: (:data:`EAGER_CALLS_BEFORE_CAPTURE`), and gives up after :data:`MAX_MISSED_VALUES` distinct values that did not
+#: (values that change on every call).
 MAX_VARIANTS = 4
 MAX_MISSED_VALUES = 16
 #: a program replayed this many times before an attribute it read changed counts as steady: its recapture does
 #: not count toward the MAX_VARIANTS changes after which a signature runs eagerly
 STEADY_REPLAYS = 16
-#: ``engine="auto"`` runs this many calls of a new call signature in eager clone mode before it captures one.
-#: A capture costs 10-170x an eager call (on this CPU 0.1-0.8 s for an MLP, ResNet-18 or a 4-layer ViT after the
-#: process's first capture, which takes 0.5-1.5 s; 2-7 s for timm's CoaT or Inception-v4), which a signature
-#: called once (an analysis call, a notebook cell, a last partial batch) never earns back.
+#: ``engine="auto"`` runs this many calls of a new call signature in eager clone mode before it captures one: a
+#: capture costs many eager calls (``docs/engine.md``), which a signature called once (an analysis call, a notebook
+#: cell, a last partial batch) never earns back.
 EAGER_CALLS_BEFORE_CAPTURE = 1
 _MAX_SEEN = 256  # signatures remembered as seen-but-not-captured per module (transient shapes stay eager)
 
@@ -151,13 +66,11 @@ def inductor_options(device_type: str) -> Dict[str, Any]:
     """Inductor options ``engine="compiled"`` compiles a program with (``torch.compile(..., options=...)``).
 
     On the CPU, no layout optimisation: Inductor would switch convolutions to channels-last and, since a
-    program's weights are its inputs, copy every convolution weight to that layout on every call. On this
-    CPU that made ResNet-18 (batch 1, 32x32) 2.6x slower compiled than without it (15.5 ms against 5.9 ms for
-    the compiled 2B forward, 21 ms against 6.2 ms for the compiled JVP) and ResNet-50 (batch 8, 64x64) 1.5x
-    (103 ms against 69 ms); MobileNetV3-small was unchanged. Training steps gained at every size measured
-    (ResNet-18: 164 -> 114 ms at batch 64, 32x32; 822 -> 754 ms at batch 128, 64x64). What it costs: eval-mode
-    programs of convolution-heavy models at large activations (VGG-16 and DenseNet-121, 16 rows of 64x64: 15-18%
-    slower than torch.compile's default). The benchmarks compile their 2B forward alike."""
+    program's weights are its inputs, copy every convolution weight to that layout on every call, which made
+    small-batch convolutional networks slower compiled than without it; training steps gained at every size
+    measured. What it costs: eval-mode programs of convolution-heavy models at large activations are slower than
+    under torch.compile's default (the figures: ``docs/engine.md``). The benchmarks compile their 2B forward
+    alike."""
     return {"layout_optimization": False} if device_type == "cpu" else {}
 
 
@@ -170,7 +83,8 @@ def graphed_options(device_type: str) -> Dict[str, Any]:
     if device_type == "cuda":
         return {"triton.cudagraphs": True}
     warn_once(("graphed", device_type), f"jvpreg: engine='graphed' replays CUDA graphs, which need CUDA tensors; "
-                                        f"these are on {device_type}: compiled without graphs (engine='compiled').")
+                                        f"these are on {device_type}: compiled without graphs (engine='compiled').",
+              stacklevel=5)
     return inductor_options("cpu" if device_type == "cpu" else "accelerator")
 
 
@@ -204,7 +118,7 @@ def unwrap_compiled(func: Any) -> Any:
     orig = _orig_of(func)
     if orig is not None:
         return orig
-    if isinstance(func, nn.Module):  # a module's __getattr__ miss is slow (about 1 µs): only functions carry it
+    if isinstance(func, nn.Module):  # a module's __getattr__ miss is slow: only functions carry it
         return func
     return getattr(func, "_torchdynamo_orig_callable", func)
 
@@ -261,92 +175,26 @@ class _Program:
     gm: Optional[Callable]              # None: this signature runs in eager clone mode
     keep: Tuple[Any, ...] = ()          # plain parameters/buffers traced, argument objects signed by identity (alive,
                                         # so an equal id is the same object)
-    attrs: Tuple[Any, ...] = ()         # (module __dict__, name, tensor): plain tensor attributes baked in
-    reads: Tuple[Any, ...] = ()         # the other attributes the forward read (side_effects.AttributeReads.checks)
+    guards: Guards = Guards()           # what it holds for besides its signature, re-checked before each replay
     out_spec: Any = None
     out_kinds: Tuple[Any, ...] = ()     # per output leaf: "clone"/"state"/"tensor" or the constant
     compiled: Optional[Callable] = None
     reason: str = ""
     replay: Optional[Callable] = None   # gm's forward with cheap exact op calls (engine="captured")
     out_pairs: bool = False             # the output is a flat tuple of plain tensors (no rebuild needed)
-    guard: Optional[Guard] = None       # tensor values the recorded Python read: replay only where they recur
     variants: List["_Program"] = field(default_factory=list)  # programs of the same signature for other values
     misses: Dict[str, int] = field(default_factory=dict)  # engine="auto": values no program holds, and their calls
-    replays: int = 0                    # calls this program ran (attributes changing now and then: see _call)
-
-
-def _stateless_types() -> frozenset:
-    """torch.nn module classes whose forward neither reads ``self.training`` nor calls a submodule
-    (checked against torch's sources: only RReLU, MultiheadAttention and the dropout, batch-norm,
-    instance-norm, RNN and transformer modules read ``training`` in ``torch/nn/modules``)."""
-    names = """Linear Bilinear Conv1d Conv2d Conv3d ConvTranspose1d ConvTranspose2d ConvTranspose3d ReLU ReLU6 LeakyReLU
-        PReLU ELU SELU CELU GELU SiLU Mish Tanh Sigmoid Hardswish Hardsigmoid Hardtanh Softplus Softsign Tanhshrink
-        Softmax LogSoftmax Identity Flatten Unflatten MaxPool1d MaxPool2d MaxPool3d AvgPool1d AvgPool2d AvgPool3d
-        AdaptiveAvgPool1d AdaptiveAvgPool2d AdaptiveAvgPool3d AdaptiveMaxPool1d AdaptiveMaxPool2d AdaptiveMaxPool3d
-        LayerNorm GroupNorm RMSNorm LocalResponseNorm Embedding Upsample PixelShuffle PixelUnshuffle ZeroPad1d
-        ZeroPad2d ZeroPad3d ConstantPad1d ConstantPad2d ConstantPad3d ReflectionPad1d ReflectionPad2d
-        ReflectionPad3d ReplicationPad1d ReplicationPad2d ReplicationPad3d ChannelShuffle""".split()
-    return frozenset(getattr(nn, n) for n in names if hasattr(nn, n))
-
-
-_STATELESS = _stateless_types()
-
-
-def _stateless_leaf(m: nn.Module) -> bool:
-    """A torch.nn leaf whose forward ignores ``training`` and submodules: its flag and children need no guard.
-    The class itself, not a subclass (one may read ``training`` in a method the forward calls)."""
-    return type(m) in _STATELESS and not m._modules
+    replays: int = 0                    # calls this program ran (read by _after_attribute_change)
 
 
 @dataclass
-class _Record:
-    """What is known about one module: its submodules, parameter slots and captured programs.
+class _Record(ModuleGuard):
+    """What is known about one module: what every call re-reads of it (:class:`ModuleGuard`), and its captured
+    programs."""
 
-    Guarded on every call: the parameter and buffer slots of every module; the ``training`` flag and the
-    children of every module except torch.nn leaves whose forward reads neither (``Linear``, ``ReLU``, ...:
-    :func:`_stateless_leaf`); the forward hooks through torch's global hook-handle counter."""
-
-    modules: List[nn.Module]            # the submodules, the module itself left out (see ``root``)
-    children: List[Tuple[Any, ...]]
-    slots: List[Tuple[Dict[str, Any], str]]
-    child_dicts: List[Dict[str, Any]] = field(default_factory=list)
-    hooks: str = ""
     programs: Dict[Any, _Program] = field(default_factory=dict)
     seen: Dict[Any, int] = field(default_factory=dict)  # engine="auto": eager calls so far of a signature not captured
     read_changes: Dict[Any, int] = field(default_factory=dict)  # recaptures of a signature for changed attributes
-    flagged: List[nn.Module] = field(default_factory=list)   # submodules whose training flag is guarded
-    hook_epoch: int = -1
-    slot_stores: Optional[Tuple[Dict[str, Any], ...]] = None  # slots, unzipped once
-    slot_names: Tuple[str, ...] = ()
-    root: Optional[Callable[[], Any]] = None  # a weak reference: the record is the value of a weak-keyed dict, and
-    root_flagged: bool = False                # a strong one would keep the module (and its programs) alive forever
-
-    @classmethod
-    def of(cls, module: nn.Module) -> "_Record":
-        mods = list(module.modules())
-        plain = [m for m in mods if not isinstance(m, torch.jit.ScriptModule)]  # (TorchScript's stores are not
-        # dicts; a module that holds one runs eagerly: _unsupported)
-        slots = [(store, name) for m in plain for store in (m._parameters, m._buffers) for name in store]
-        guarded = [m for m in plain if not _stateless_leaf(m)]
-        dicts = [m._modules for m in guarded]
-        return cls([m for m in mods if m is not module], [tuple(d.values()) for d in dicts], slots,
-                   child_dicts=dicts, hooks=_foreign_hooks(module, mods),
-                   flagged=[m for m in guarded if m is not module], hook_epoch=RemovableHandle.next_id,
-                   root=weakref.ref(module), root_flagged=any(m is module for m in guarded))
-
-    def valid(self) -> bool:
-        return list(map(tuple, map(dict.values, self.child_dicts))) == self.children
-
-    def check_hooks(self, root: nn.Module) -> None:
-        """Rescan the forward hooks if any hook was registered anywhere since the last scan (one int compare)."""
-        if self.hook_epoch != RemovableHandle.next_id:
-            self.hooks, self.hook_epoch = _foreign_hooks(root, [root, *self.modules]), RemovableHandle.next_id
-
-    def slot_values(self) -> List[Any]:
-        """The tensor (or ``None``) in every parameter and buffer slot now."""
-        if self.slot_stores is None:
-            self.slot_stores, self.slot_names = (tuple(t) for t in zip(*self.slots)) if self.slots else ((), ())
-        return list(map(dict.get, self.slot_stores, self.slot_names))
 
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, _Record]" = weakref.WeakKeyDictionary()
@@ -365,38 +213,6 @@ def programs(module: nn.Module) -> Dict[Any, _Program]:
     """The captured programs of ``module`` by guard key (for tests and introspection)."""
     rec = _RECORDS.get(module)
     return {} if rec is None else dict(rec.programs)
-
-
-#: Hooks whose effect a replay may drop: Hugging Face's activation checkpointing registers
-#: ``make_inputs_require_grads`` (``output.requires_grad_(True)`` on the input embeddings) so that a *reentrant*
-#: checkpoint of a frozen-embedding model reaches its adapters' gradients; jvpreg runs every checkpoint
-#: non-reentrant, where every parameter's gradient flows without it.
-_DROPPABLE_HOOKS = ("enable_input_require_grads.<locals>.make_inputs_require_grads",)
-
-
-def _droppable(hook: Any) -> bool:
-    return getattr(hook, "__qualname__", "").endswith(_DROPPABLE_HOOKS)
-
-
-def _foreign_hooks(root: nn.Module, mods: List[nn.Module]) -> str:
-    """Names of modules with forward hooks whose side effects a replay would lose ('' if none)."""
-    from torch.nn.modules import module as module_mod
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    pure = (SpectralNorm, WeightNorm)
-    bad = []
-    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
-        bad.append("global forward hooks")
-    for m in mods:
-        if sharded_units.is_unit(m):
-            continue  # FSDP's hooks and any other on a unit run eagerly around its captured body (sharded_units)
-        hooks = list(m._forward_pre_hooks.values()) + list(m._forward_hooks.values())
-        if m is root:
-            hooks = [h for h in hooks if not getattr(getattr(h, "__self__", None), "_jvpreg_shared", False)]
-        if any(not (isinstance(h, pure) or _droppable(h)) for h in hooks):
-            bad.append(type(m).__name__)
-    return ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "")
 
 
 #: why a module that holds FSDP units is not captured whole (each FSDP2 unit's body is: :mod:`sharded_units`)
@@ -443,7 +259,7 @@ def _finite(leaf: torch.Tensor) -> bool:
 
 
 def _all_finite(t: torch.Tensor) -> bool:
-    # a sum is finite only if every entry is (overflow can only say "non-finite"): 10-40x faster than isfinite().all()
+    # a sum is finite only if every entry is (overflow can only say "non-finite"): faster than isfinite().all()
     if t.is_floating_point():
         return math.isfinite(t.detach().sum())
     return not t.is_complex() or math.isfinite(abs(complex(t.detach().sum())))
@@ -578,46 +394,104 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         reads = out_meta["reads"] = ValueReads(tracer)
         with _setting(_tensor._CAPTURING, tracer), reads.active():
             new_leaves = list(leaves)
-            for i, t in zip(clone_pos, flat[:n_in]):
-                old = leaves[i]
-                new_leaves[i] = _tensor.wrap(t, state=bool(old._jvp_state)) if type(old) is CloneTensor else t
-            for j, t in zip(slot_pos, flat[n_in:]):
-                if type(slot_values[j]) is CloneTensor:
-                    _tensor.track(slot_values[j], t)
-            args, kwargs = (tuple(new_leaves), {}) if type(in_spec) is int else tree_unflatten(new_leaves, in_spec)
+            args, kwargs = _traced_arguments(new_leaves, flat, clone_pos, slot_values, slot_pos, in_spec)
             out = fn(*args, **kwargs)
             if type(in_spec) is not int:  # the trace's own copies of the lists and dicts passed in: a replay
                 out_meta["argument_writes"] = _argument_writes(args, kwargs, new_leaves, in_spec)  # writes none
-            out_leaves, out_spec = tree_flatten(out)
-            kinds, tensors = [], []
-            for leaf in out_leaves:
-                if type(leaf) is CloneTensor:
-                    kinds.append("state" if leaf._jvp_state else "clone")
-                    tensors.append(_tensor._tracked_phys(leaf))
-                elif isinstance(leaf, torch.Tensor):
-                    kinds.append("tensor")
-                    tensors.append(leaf)
-                else:
-                    kinds.append(("const", leaf))
-                    if _holds_tensor(leaf, 4):
-                        out_meta.setdefault("objects_with_tensors", []).append(type(leaf).__name__)
-            out_meta["spec"], out_meta["kinds"] = out_spec, tuple(kinds)
-            # one C-level copy: a weakref callback cannot run midway (no tracker in some torch: no check)
-            tracked = list(getattr(getattr(tracer, "tensor_tracker", None), "data", {}).items())
-            out_meta["traced_storages"] = _storage_nodes((ref(), proxy) for ref, proxy in tracked)
+            tensors = _traced_outputs(out, out_meta)
+            out_meta["traced_storages"] = _traced_storages(tracer)
             return tensors + reads.tensors  # the values Python read: split off into the guard program
 
-    # The trace runs the forward for real: it reads copies of the call's tensors (an in-place op on
-    # an input must not reach the replay twice); parameters and buffers are restored afterwards.
+    inputs = _trace_inputs(leaves, clone_pos, slot_values, slot_pos)
+    objects = argument_objects(leaves)  # signed by identity: kept alive, so an equal id is the same object
+    generators = Generators(module, next((t.device for t in inputs), torch.device("cpu")))
+    attribute_reads = AttributeReads(module, objects)  # the objects passed in are read like the modules
+    module_globals = Globals(module)
+    gm, rng_start, rng_traced = _run_trace(module, make_fx(traced, tracing_mode="real", pre_dispatch=True), inputs,
+                                           objects, generators, attribute_reads, module_globals)
+    _refuse_what_a_replay_would_not_do(gm, out_meta, generators)
+    draws = any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
+    expected, names = expected_reads(gm, out_meta["reads"])
+    _pin_grad_modes(gm.graph, torch.is_grad_enabled())
+    optimize(gm, *_finiteness(leaves, clone_pos, slot_values, slot_pos))
+    values = split_off(gm, expected, names) if expected else None
+    guards = Guards.record(gm, rec.root(), rec.modules, attribute_reads, module_globals, values)
+    compiling = _tensor._COMPILING[0]  # compiled: never replayed, torch.compile reads the sub-programs
+    checkpointed_regions.outline(gm, (lambda sub: sub) if compiling else replay_function, torch.is_grad_enabled(),
+                                 n_in)
+    replay = None if compiling else replay_function(gm)
+    if draws or not _same_rng(rng_traced, rng_start):  # a program to be compiled is checked as recorded
+        _check_rng_replayed(module, gm if compiling else replay, leaves, clone_pos, slot_values, slot_pos,
+                            generators, rng_start, rng_traced)
+    spec, kinds = out_meta["spec"], out_meta["kinds"]
+    flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
+    return _Program(gm=gm, keep=tuple(v for v in slot_values if type(v) is not CloneTensor) + tuple(objects),
+                    guards=guards, out_spec=spec, out_kinds=kinds, replay=replay,
+                    out_pairs=flat and all(k == "tensor" for k in kinds))
+
+
+def _traced_arguments(new_leaves: List[Any], flat: tuple, clone_pos: List[int], slot_values: List[Any],
+                      slot_pos: List[int], in_spec: Any) -> Tuple[tuple, dict]:
+    """The call's arguments as the trace passes them: ``new_leaves`` (a copy of the call's leaves) with the tracer's
+    tensors ``flat`` in place of the call's tensors (wrapped as clones where the call passed clones), in place; the
+    clones in parameter slots (parameter directions) track the tracer's tensors of their slots."""
+    n_in = len(clone_pos)
+    for i, t in zip(clone_pos, flat[:n_in]):
+        old = new_leaves[i]
+        new_leaves[i] = _tensor.wrap(t, state=bool(old._jvp_state)) if type(old) is CloneTensor else t
+    for j, t in zip(slot_pos, flat[n_in:]):
+        if type(slot_values[j]) is CloneTensor:
+            _tensor.track(slot_values[j], t)
+    return (tuple(new_leaves), {}) if type(in_spec) is int else tree_unflatten(new_leaves, in_spec)
+
+
+def _traced_outputs(out: Any, out_meta: Dict[str, Any]) -> List[torch.Tensor]:
+    """The traced tensors of the forward's output ``out`` (a clone's physical batch); into ``out_meta``: the output's
+    structure, the kind of each leaf, and the types of the objects among them that hold tensors."""
+    out_leaves, out_spec = tree_flatten(out)
+    kinds, tensors = [], []
+    for leaf in out_leaves:
+        if type(leaf) is CloneTensor:
+            kinds.append("state" if leaf._jvp_state else "clone")
+            tensors.append(_tensor._tracked_phys(leaf))
+        elif isinstance(leaf, torch.Tensor):
+            kinds.append("tensor")
+            tensors.append(leaf)
+        else:
+            kinds.append(("const", leaf))
+            if _holds_tensor(leaf, 4):
+                out_meta.setdefault("objects_with_tensors", []).append(type(leaf).__name__)
+    out_meta["spec"], out_meta["kinds"] = out_spec, tuple(kinds)
+    return tensors
+
+
+def _traced_storages(tracer: Any) -> Dict[int, set]:
+    """Storage address -> the graph nodes of the tensors ``tracer`` tracks on it (:func:`_check_constants`)."""
+    # one C-level copy: a weakref callback cannot run midway (no tracker in some torch: no check)
+    tracked = list(getattr(getattr(tracer, "tensor_tracker", None), "data", {}).items())
+    return _storage_nodes((ref(), proxy) for ref, proxy in tracked)
+
+
+def _trace_inputs(leaves: List[Any], clone_pos: List[int], slot_values: List[Any],
+                  slot_pos: List[int]) -> List[torch.Tensor]:
+    """What a trace (or a check of one) runs on: copies of the call's tensors, which require grad as they do (an
+    in-place op on an input must not reach the replay twice), then the parameters and buffers themselves (restored
+    afterwards: :func:`_restored_state`)."""
     with torch.no_grad():
         copies = [_phys(leaves[i]).clone() for i in clone_pos]
     inputs = [c.requires_grad_(leaves[i].requires_grad) for c, i in zip(copies, clone_pos)]
-    inputs += [_phys(slot_values[j]) for j in slot_pos]
-    device = next((t.device for t in inputs), torch.device("cpu"))
-    objects = argument_objects(leaves)  # signed by identity: kept alive, so an equal id is the same object
-    generators, attributes = Generators(module, device), Attributes(module, objects)
-    attribute_reads = AttributeReads(module, objects)  # the objects passed in are read like the modules
-    module_globals = Globals(module)
+    return inputs + [_phys(slot_values[j]) for j in slot_pos]
+
+
+def _run_trace(module: nn.Module, record: Callable, inputs: List[torch.Tensor], objects: List[Any],
+               generators: Generators, attribute_reads: AttributeReads,
+               module_globals: Globals) -> Tuple[torch.fx.GraphModule, tuple, tuple]:
+    """``record(*inputs)``, the forward traced into a program, run for its trace only: the buffers, the random number
+    generators, the Python attributes of the modules and ``objects`` and the module globals are as they were
+    afterwards. Returns the program and the generators' states the trace started and ended at (it starts one draw
+    past the caller's: :func:`_check_rng_replayed`). Raises :class:`CaptureError` where the forward set attributes or
+    globals."""
+    attributes = Attributes(module, objects)
     with _restored_state(module, generators), warnings.catch_warnings(), _no_gc():
         warnings.simplefilter("ignore", category=UserWarning)  # the eager run's fallback notes repeat at replay
         generators.step()  # the trace's draws are thrown away: from a state no seed gives (see _check_rng_replayed)
@@ -625,7 +499,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         try:
             # (traced_through: a compiled function's code is recorded; attribute_reads: what the program holds for)
             with compiled_code.traced_through(), checkpointed_regions.recording(), attribute_reads.recording():
-                gm = make_fx(traced, tracing_mode="real", pre_dispatch=True)(*inputs)
+                gm = record(*inputs)
         finally:
             written = attributes.changed() + module_globals.changed()
             attributes.restore()  # as they were: a call that runs eagerly sets them once
@@ -635,6 +509,14 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         raise CaptureError(f"its forward sets Python attributes or module globals ({', '.join(written[:4])}"
                            f"{' ...' if len(written) > 4 else ''}), which a replay would not set (if only its first "
                            "calls set them, e.g. a cache, call jvpreg.clone.program.capture.reset(model) after those)")
+    return gm, rng_start, rng_traced
+
+
+def _refuse_what_a_replay_would_not_do(gm: torch.fx.GraphModule, out_meta: Dict[str, Any],
+                                       generators: Generators) -> None:
+    """Raise :class:`CaptureError` where replaying ``gm`` would not do what the traced forward did: return an object
+    holding tensors, write into what it was passed, draw from a generator the model does not hold, place data by
+    storage offset, or read a constant that aliases a traced tensor."""
     if out_meta.get("objects_with_tensors"):
         names = ", ".join(sorted(set(out_meta["objects_with_tensors"])))
         raise CaptureError(f"its forward returns an object holding tensors ({names}), which a replay would return as "
@@ -651,40 +533,17 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         raise CaptureError(f"its clone forward places data by storage offset ({', '.join(strided)}), whose gradient "
                            "through a replayed program differs from the forward's (found with as_strided_scatter on a "
                            "view)")
-    draws = any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in gm.graph.nodes)
     _check_constants(gm, out_meta["traced_storages"])
-    reads = out_meta["reads"]
-    expected = [("value", v) for v in reads.values]
-    names = list(reads.names)
-    output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
-    for node, shape, op in dynamic_shapes(gm.graph):  # shapes the program holds: re-checked like the values read
-        output.args = (list(output.args[0]) + [node],)
-        expected.append(("shape", shape))
-        names.append(f"the shape of {op}")
-    _pin_grad_modes(gm.graph, torch.is_grad_enabled())
+
+
+def _finiteness(leaves: List[Any], clone_pos: List[int], slot_values: List[Any],
+                slot_pos: List[int]) -> Tuple[List[bool], List[float]]:
+    """What :func:`optimize` knows of the program's inputs: which hold finite values only, and the largest finite
+    magnitude in each (the parameters and buffers as captured, a ``finfo.min`` mask buffer; the call's data counts
+    as 0)."""
     finite = [_finite(leaves[i]) for i in clone_pos] + [_slot_finite(slot_values[j]) for j in slot_pos]
-    # parameters and buffers as captured (a finfo.min mask buffer); the call's data counts as 0
     magnitudes = [0.0] * len(clone_pos) + [_slot_magnitude(_phys(slot_values[j])) for j in slot_pos]
-    optimize(gm, finite, magnitudes)
-    guard = None
-    if expected:
-        guard = Guard(replay_function(split(gm, expected, names)), expected, names)
-    attrs = _baked_attributes(gm, rec)
-    compiling = _tensor._COMPILING[0]  # compiled: never replayed, torch.compile reads the sub-programs
-    checkpointed_regions.outline(gm, (lambda sub: sub) if compiling else replay_function, torch.is_grad_enabled(),
-                                 n_in)
-    keep = tuple(v for v in slot_values if type(v) is not CloneTensor) + tuple(objects)
-    spec = out_meta["spec"]
-    flat = spec == tree_flatten((0,) * spec.num_leaves)[1]  # a flat tuple
-    replay = None if compiling else replay_function(gm)
-    if draws or not _same_rng(rng_traced, rng_start):  # a program to be compiled is checked as recorded
-        _check_rng_replayed(module, gm if compiling else replay, leaves, clone_pos, slot_values, slot_pos,
-                            generators, rng_start, rng_traced)
-    return _Program(gm=gm, keep=keep, out_spec=spec, out_kinds=out_meta["kinds"],
-                    out_pairs=flat and all(k == "tensor" for k in out_meta["kinds"]), attrs=attrs,
-                    reads=attribute_reads.checks(rec.root()) + module_globals.checks(),
-                    guard=guard,
-                    replay=replay)
+    return finite, magnitudes
 
 
 #: ops that address memory by storage offset: refused in a program (:func:`_trace`)
@@ -729,9 +588,7 @@ def _check_rng_replayed(module: nn.Module, replay: Callable, leaves: List[Any], 
     runs in eager clone mode. The trace started one draw past the caller's state, which no seeding gives, so a
     forward that seeds a generator cannot happen to end where the replay does (it would from a freshly seeded
     state)."""
-    with torch.no_grad():
-        inputs = [_phys(leaves[i]).clone().requires_grad_(leaves[i].requires_grad) for i in clone_pos]
-    inputs += [_phys(slot_values[j]) for j in slot_pos]
+    inputs = _trace_inputs(leaves, clone_pos, slot_values, slot_pos)
     try:  # in the call's grad mode, as the program will replay
         with _restored_state(module, generators), warnings.catch_warnings():
             warnings.simplefilter("ignore", category=UserWarning)
@@ -802,16 +659,6 @@ def _check_constants(gm: torch.fx.GraphModule, traced: Dict[int, set]) -> None:
             raise CaptureError(f"the program would hold {node.target} {tuple(value.shape)} as a constant, but it "
                                "shares memory with a tensor of the traced call (an alias made where the tracer "
                                "cannot see it)")
-
-
-def _baked_attributes(gm: torch.fx.GraphModule, rec: _Record) -> Tuple[Any, ...]:
-    """Plain tensor attributes of the modules (``self.scale = torch.tensor(2.0)``) that the program holds
-    as constants: a reassigned attribute must recapture, not replay the old tensor. ``(dict, name, tensor)``, with
-    ``None`` for the module's own ``__dict__`` (read at the call: the record holds the module weakly)."""
-    consts = {id(getattr(gm, n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
-    root = rec.root()
-    return tuple((None if m is root else m.__dict__, name, value) for m in (root, *rec.modules)
-                 for name, value in m.__dict__.items() if isinstance(value, torch.Tensor) and id(value) in consts)
 
 
 def _note_grad_mode(tracer: Any) -> None:
@@ -934,84 +781,162 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     if engine == "eager":
         with functions.active(module, (args, kwargs)), uncompiled(module):
             return fn(*args, **kwargs)
+    rec = _record(module)
+    if rec.hooks:  # checked before any program: a hook registered after a capture must run too
+        return _run_eager(module, fn, args, kwargs, _unsupported(module, rec, hooks_outside), engine)
+    leaves, in_spec = _flatten(args, kwargs)
+    slot_values = rec.slot_values()
+    compiled = engine in ("compiled", "graphed")  # its own program: rules may pick what Inductor fuses best
+    key = _key(rec, (fn_key, engine) if compiled else fn_key, in_spec, leaves, slot_values, finite)
+    this_call = _ThisCall(module, fn, in_spec, leaves, rec, slot_values, compiled)
+    prog, inputs = _program(this_call, key, engine, hooks_outside)
+    if prog is None:  # engine="auto": the signature, or the values its Python reads, seen for the first time
+        return _run_uncaptured(module, fn, args, kwargs, rec, engine, hooks_outside)
+    if prog.gm is None:
+        return _run_eager(module, fn, args, kwargs, prog.reason, engine)
+    return _replay(prog, engine, _inputs(leaves, slot_values) if inputs is None else inputs)
+
+
+def _record(module: nn.Module) -> _Record:
+    """``module``'s record: made anew where a guarded module's children changed, its hooks rescanned if any moved."""
     rec = _RECORDS.get(module)
     if rec is None or not rec.valid():
         rec = _RECORDS[module] = _Record.of(module)
     else:
         rec.check_hooks(module)
-    if rec.hooks:  # checked before any program: a hook registered after a capture must run too
-        return _run_eager(module, fn, args, kwargs, _unsupported(module, rec, hooks_outside), engine)
+    return rec
+
+
+def _flatten(args: tuple, kwargs: dict) -> Tuple[List[Any], Any]:
+    """The call's leaves and their structure (an int, the number of arguments, for the usual ``f(x1, ..., xn)``)."""
     if not kwargs and all(type(a) is CloneTensor or type(a) is torch.Tensor for a in args):
-        leaves, in_spec = list(args), len(args)  # the usual call f(x1, ..., xn): no pytree walk
-    else:
-        leaves, in_spec = tree_flatten((args, kwargs))
-    slot_values = rec.slot_values()
-    compiled = engine in ("compiled", "graphed")  # its own program: rules may pick what Inductor fuses best
-    key = _key(rec, (fn_key, engine) if compiled else fn_key, in_spec, leaves, slot_values, finite)
-    prog = rec.programs.get(key)
-    if prog is not None and prog.attrs and not all((module.__dict__ if d is None else d).get(n) is v
-                                                   for d, n, v in prog.attrs):
-        prog = None  # a tensor attribute the program baked in was reassigned
-    if prog is not None and prog.reads and not hold(module, prog.reads):
-        # an attribute the forward read changed (dropout p, eps, a flag): the program holds for the old values
-        # (one that changes now and then, an annealed dropout p, recaptures each time)
-        steady = prog.replays >= STEADY_REPLAYS
-        rec.read_changes[key] = 1 if steady else rec.read_changes.get(key, 0) + 1
-        if rec.read_changes[key] < MAX_VARIANTS:
-            prog = None
-        else:
-            prog = rec.programs[key] = _Program(
-                gm=None, reason=f"attributes its forward reads ({', '.join(changed(module, prog.reads)[:4])}) "
-                                f"change every few calls ({MAX_VARIANTS} times with fewer than {STEADY_REPLAYS} "
-                                "calls between; a program holds for one set of values)")
-    if prog is None and engine == "auto":
-        calls = rec.seen.get(key, 0)
-        if calls < EAGER_CALLS_BEFORE_CAPTURE:  # a signature seen for the first time: not worth a capture yet
-            if len(rec.seen) >= _MAX_SEEN:
-                rec.seen.clear()
-            rec.seen[key] = calls + 1
-            sharded = _unsupported(module, rec, hooks_outside) == SHARDED and sharded_units.has_fsdp2_units(module)
-            with functions.active(module, (args, kwargs)), uncompiled(module), \
-                    sharded_units.routed(module, engine) if sharded else contextlib.nullcontext():
-                return fn(*args, **kwargs)
-        rec.seen.pop(key, None)
-    inputs = None
-    if prog is not None and prog.guard is not None:  # Python read tensor values: a program recorded for these ones
-        inputs = _inputs(leaves, slot_values)
-        base, (prog, seen) = prog, _matching(prog, inputs)
-        if prog is None:
-            values = repr(seen)
-            if len(base.variants) + 1 >= MAX_VARIANTS or len(base.misses) >= MAX_MISSED_VALUES:
-                names = ", ".join(sorted(set(base.guard.names)))
-                prog = rec.programs[key] = _Program(
-                    gm=None, reason=f"its Python code reads tensor values ({names}) that differ from call to call "
-                                    "(a program holds for one set of values)")
-            elif engine == "auto" and base.misses.get(values, 0) < EAGER_CALLS_BEFORE_CAPTURE:
-                base.misses[values] = base.misses.get(values, 0) + 1  # values seen once: eager, unless they recur
-                with functions.active(module, (args, kwargs)), uncompiled(module):
-                    return fn(*args, **kwargs)
-            else:
-                base.misses.pop(values, None)
-                prog = _capture(module, fn, in_spec, leaves, rec, slot_values, compiled)
-                base.variants.append(prog)  # one that cannot be captured: eager for the values no variant holds
+        return list(args), len(args)  # the usual call f(x1, ..., xn): no pytree walk
+    return tree_flatten((args, kwargs))
+
+
+class _ThisCall(NamedTuple):
+    """What :func:`_capture` records a program of: the call being made."""
+
+    module: nn.Module
+    fn: Callable
+    in_spec: Any
+    leaves: List[Any]
+    rec: _Record
+    slot_values: List[Any]
+    compiled: bool
+
+
+def _program(call: _ThisCall, key: Any, engine: str, hooks_outside: bool) -> Tuple[Optional[_Program], Any]:
+    """The program to run this call (with its inputs, where its guards read them): one whose guards hold, or one
+    recorded now; a program-less record where the call runs eagerly for a reason; ``None`` where ``engine="auto"``
+    runs it eagerly this time (not worth a capture yet)."""
+    rec, module = call.rec, call.module
+    prog, inputs = rec.programs.get(key), None
+    if prog is not None and prog.gm is not None:
+        inputs = _inputs(call.leaves, call.slot_values)
+        base, (prog, miss) = prog, _replayable(prog, module, inputs)
+        if prog is None and miss.what == VALUES:
+            return _for_other_values(call, key, engine, base, miss), inputs
+        if miss is not None and miss.what == ATTRIBUTES:
+            prog = _after_attribute_change(rec, key, base, module)
     if prog is None:
-        reason = _unsupported(module, rec, hooks_outside)
-        if not reason and len(rec.programs) >= MAX_PROGRAMS:
-            prog = _Program(gm=None, reason=f"more than {MAX_PROGRAMS} call signatures (shapes, modes) were seen"
-                                            f"{_varying_sizes(list(rec.programs) + [key])}; call "
-                                            "jvpreg.clone.program.capture.reset(module) if they are transient")
-        elif reason:
-            prog = _Program(gm=None, reason=reason)
-        else:
-            prog = _capture(module, fn, in_spec, leaves, rec, slot_values, compiled)
-        rec.programs[key] = prog
-    if prog.gm is None:
-        return _run_eager(module, fn, args, kwargs, prog.reason, engine)
+        if engine == "auto" and _not_worth_a_capture_yet(rec, key):
+            return None, inputs
+        prog = rec.programs[key] = _new_program(call, key, hooks_outside)
+    return prog, inputs
+
+
+def _replayable(base: _Program, module: nn.Module, inputs: List[torch.Tensor]) -> Tuple[Optional[_Program],
+                                                                                          Optional[Miss]]:
+    """The first of ``base`` and its variants whose guards hold for this call, or ``None``; and what ``base``'s
+    guards found changed (``None`` where they hold). Variants differ in the values read: where ``base``'s constants
+    or attributes changed, none is tried."""
+    miss = base.guards.check(module, inputs)
+    if miss is None:
+        return base, None
+    if miss.what != VALUES:
+        return None, miss
+    return next((prog for prog in base.variants if prog.guards.check(module, inputs) is None), None), miss
+
+
+def _after_attribute_change(rec: _Record, key: Any, base: _Program, module: nn.Module) -> Optional[_Program]:
+    """An attribute the forward read changed (dropout p, eps, a flag): the program holds for the old values.
+    ``None`` (record anew), or a program-less record once they changed :data:`MAX_VARIANTS` times with fewer than
+    :data:`STEADY_REPLAYS` calls between (one that changes now and then, an annealed dropout p, recaptures each
+    time)."""
+    steady = base.replays >= STEADY_REPLAYS
+    rec.read_changes[key] = 1 if steady else rec.read_changes.get(key, 0) + 1
+    if rec.read_changes[key] < MAX_VARIANTS:
+        return None
+    prog = rec.programs[key] = _Program(
+        gm=None, reason=f"attributes its forward reads ({', '.join(base.guards.changed_attributes(module)[:4])}) "
+                        f"change every few calls ({MAX_VARIANTS} times with fewer than {STEADY_REPLAYS} "
+                        "calls between; a program holds for one set of values)")
+    return prog
+
+
+def _for_other_values(call: _ThisCall, key: Any, engine: str, base: _Program, miss: Miss) -> Optional[_Program]:
+    """The Python read tensor values that no program of the signature holds: a variant recorded for them; ``None``
+    (eager) for values seen once under ``engine="auto"``; a program-less record once there are too many."""
+    values = repr(miss.read)
+    if len(base.variants) + 1 >= MAX_VARIANTS or len(base.misses) >= MAX_MISSED_VALUES:
+        names = ", ".join(sorted(set(base.guards.values.names)))
+        prog = call.rec.programs[key] = _Program(
+            gm=None, reason=f"its Python code reads tensor values ({names}) that differ from call to call "
+                            "(a program holds for one set of values)")
+        return prog
+    if engine == "auto" and base.misses.get(values, 0) < EAGER_CALLS_BEFORE_CAPTURE:
+        base.misses[values] = base.misses.get(values, 0) + 1  # values seen once: eager, unless they recur
+        return None
+    base.misses.pop(values, None)
+    prog = _capture(*call)
+    base.variants.append(prog)  # one that cannot be captured: eager for the values no variant holds
+    return prog
+
+
+def _not_worth_a_capture_yet(rec: _Record, key: Any) -> bool:
+    """``engine="auto"``: the call is one of the first :data:`EAGER_CALLS_BEFORE_CAPTURE` of a signature that no
+    program holds (counted here; past them the count is dropped, as a program is recorded)."""
+    calls = rec.seen.get(key, 0)
+    if calls < EAGER_CALLS_BEFORE_CAPTURE:
+        if len(rec.seen) >= _MAX_SEEN:
+            rec.seen.clear()
+        rec.seen[key] = calls + 1
+        return True
+    rec.seen.pop(key, None)
+    return False
+
+
+def _new_program(call: _ThisCall, key: Any, hooks_outside: bool) -> _Program:
+    """A program recorded for a signature that has none, or a program-less record that says why not."""
+    reason = _unsupported(call.module, call.rec, hooks_outside)
+    if not reason and len(call.rec.programs) >= MAX_PROGRAMS:
+        return _Program(gm=None, reason=f"more than {MAX_PROGRAMS} call signatures (shapes, modes) were seen"
+                                        f"{_varying_sizes(list(call.rec.programs) + [key])}; call "
+                                        "jvpreg.clone.program.capture.reset(module) if they are transient")
+    if reason:
+        return _Program(gm=None, reason=reason)
+    return _capture(*call)
+
+
+def _run_uncaptured(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, rec: _Record, engine: str,
+                    hooks_outside: bool) -> Any:
+    """``fn`` in eager clone mode without a warning (``engine="auto"`` before a capture); the bodies of a sharded
+    module's FSDP units are captured in turn (:mod:`jvpreg.clone.program.sharded_units`)."""
+    sharded = _unsupported(module, rec, hooks_outside) == SHARDED and sharded_units.has_fsdp2_units(module)
+    with functions.active(module, (args, kwargs)), uncompiled(module), \
+            sharded_units.routed(module, engine) if sharded else contextlib.nullcontext():
+        return fn(*args, **kwargs)
+
+
+def _replay(prog: _Program, engine: str, inputs: List[torch.Tensor]) -> Any:
+    """Run ``prog`` on ``inputs`` (compiled first, for ``engine="compiled"`` or ``"graphed"``) and rebuild the
+    call's output."""
     prog.replays += 1
     run = prog.replay or prog.gm
+    compiled = engine in ("compiled", "graphed")
     if compiled:
         if prog.compiled is None:
-            inputs = _inputs(leaves, slot_values) if inputs is None else inputs
             types_ = {t.device.type for t in inputs}
             device = "cpu" if types_ <= {"cpu"} else "accelerator"
             options = graphed_options(next(iter(types_ - {"cpu"}), "cpu")) if engine == "graphed" else \
@@ -1021,7 +946,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
     # grad mode restored even if the replay raises midway; a compiled program stays compiled inside a clone forward
     stance = compiled_code.caller_stance() if compiled else contextlib.nullcontext()
     with torch.set_grad_enabled(torch.is_grad_enabled()), stance:
-        outs = run(*(_inputs(leaves, slot_values) if inputs is None else inputs))
+        outs = run(*inputs)
     return _rebuild(prog, outs)
 
 
@@ -1042,18 +967,3 @@ def _capture(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], r
             raise
         return _Program(gm=None, reason="its Python control flow reads tensor values inside an op (data-dependent "
                                         "control flow the capture cannot re-check)")
-
-
-def _matching(base: _Program, inputs: List[torch.Tensor]) -> Tuple[Optional[_Program], Any]:
-    """The first of ``base`` and its variants whose guard holds for ``inputs`` (one with no guard always does), or
-    ``None``; and what ``base``'s guard read."""
-    seen = None
-    for prog in (base, *base.variants):
-        if prog.guard is None:
-            return prog, seen
-        got = prog.guard.read(inputs)
-        if prog is base:
-            seen = got
-        if prog.guard.matches(got):
-            return prog, seen
-    return None, seen

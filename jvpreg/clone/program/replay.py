@@ -6,8 +6,8 @@ and a boxed call that parses the arguments against the schema; on the small ops 
 most of the op's time. :func:`replay_function` writes ``gm.forward`` again with, per node, the cheapest
 callable that runs the same operator:
 
-* the op's generated Python binding (``torch.sub``, ``torch._C._nn.linear``, ``Tensor.view``): unboxed,
-  0.4-0.9 µs less per op than the handle on this CPU (``select`` 1.37 → 0.93 µs, ``sub`` 1.57 → 1.12 µs);
+* the op's generated Python binding (``torch.sub``, ``torch._C._nn.linear``, ``Tensor.view``): unboxed, cheaper
+  per op than the handle (``docs/engine.md``);
 * else the C++ operator handle ``op._op`` (what ``OpOverload.__call__`` calls when no Python
   dispatcher is attached): one Python frame less than the overload;
 * jvpreg's own operators (:mod:`jvpreg.clone.rules.kernels`): the same forward, setup and backward as a plain
@@ -24,8 +24,8 @@ meta walk cannot run) keeps the handle. The program's inputs have fixed shapes a
 guards them), so a node's check holds for every replay; verdicts are remembered per operator and
 described arguments. ``gm`` itself keeps the ``OpOverload`` targets (``torch.compile`` reads them).
 
-Cost, once per captured program (meta kernels are Python): 0.1 s for a 4-layer ViT, 0.25 s for
-MobileNetV3-small, 0.2 s for ResNet-50, 1 s for DenseNet-121 (its concatenations) on this CPU.
+The check costs a meta walk once per captured program (meta kernels are Python; longest for programs of many
+concatenations, such as DenseNet's).
 """
 from __future__ import annotations
 
