@@ -71,6 +71,7 @@ from ..callbacks.shared import SharedForward
 from jvpreg.clone.program.capture import inductor_options
 from ..losses import JacobianFrobenius
 from . import memory, report
+from .capture import random_head, vit_small
 from .timing import machine_description, measure
 
 LAM = 0.01
@@ -106,15 +107,11 @@ def build(name: str) -> tuple:
         return nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(),
                              nn.Linear(200, 10)), (1, 28, 28)
     if name == "vit":
-        from .capture import _vit_small
-
-        return _vit_small(), (3, 32, 32)
+        return vit_small(), (3, 32, 32)
     if name == "vit_257":  # the small ViT on 64x64 images with 4x4 patches: 257 tokens, attention-dominated
         import torchvision
 
-        from .capture import _random_head
-
-        return _random_head(torchvision.models.VisionTransformer(image_size=64, patch_size=4, num_layers=4, num_heads=4,
+        return random_head(torchvision.models.VisionTransformer(image_size=64, patch_size=4, num_layers=4, num_heads=4,
                                                                  hidden_dim=64, mlp_dim=128, num_classes=10)), (3, 64, 64)
     raise ValueError(f"bench train: unknown model {name!r}; expected 'resnet18', 'resnet18_64px', "
                      "'resnet18_gn', 'mlp', 'mlp200', 'vit' or 'vit_257'.")
