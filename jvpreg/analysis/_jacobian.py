@@ -37,6 +37,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..clone import jvp as clone_jvp
+
 __all__ = ["ENGINES", "ConvergenceWarning", "PerSampleJacobian", "random_directions"]
 
 #: Names accepted by the ``engine=`` argument of every analysis routine.
@@ -186,8 +188,6 @@ class PerSampleJacobian:
             for sl in self._chunks(V.shape[1]):
                 T = self._to_tangents(V[:, sl])
                 if self.engine == "clone":
-                    from jvpreg import jvp as clone_jvp
-
                     _, JT = clone_jvp(self.model, (self.x,), (T,), batched_tangents=True)
                 else:
                     x, model = self.x, self.model

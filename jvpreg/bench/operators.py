@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..clone import call, pack
 from . import report
 from .timing import machine_description
 
@@ -75,8 +76,6 @@ def run(ops: Sequence[str], sizes: Sequence[int], batch_sizes: Sequence[int], *,
         repeats: int = 20, warmup: int = 3, device: str = "cpu", cell_budget: float | None = None,
         seed: int = 0, stat: str = "median", clock: str = "wall", show_progress: bool = True) -> List[Dict[str, Any]]:
     """One record per (op, B, S): times of clone (2B rows), default (B rows) and default (2B rows)."""
-    from jvpreg.clone import call, pack
-
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     records: List[Dict[str, Any]] = []

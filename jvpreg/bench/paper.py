@@ -78,6 +78,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+import jvpreg
+
 from . import report
 from .timing import machine_description, sync
 
@@ -160,8 +162,6 @@ class Method:
 
 
 def _build_clone(p: Problem):
-    import jvpreg
-
     # engine="captured": the default engine's steady state from the first (checking) call on, also where the
     # cell budget leaves no warm-up call ("auto" would capture on the first timed one)
     if p.kind == "x":
