@@ -21,8 +21,8 @@ Engines:
 VJPs (the engine only changes the JVPs): ``torch.func.vmap`` over the function returned by
 ``torch.func.vjp`` — one recorded plain forward of ``B`` rows, kept for the operator's lifetime,
 and one batched backward for ``k`` cotangents. On CPU it was as fast as or faster than
-``torch.autograd.grad(..., is_grads_batched=True)`` (2x on ResNet-18) and much faster than
-backpropagating through the clone forward. With the clone engine, a model whose backward cannot
+``torch.autograd.grad(..., is_grads_batched=True)`` and much faster than backpropagating through the
+clone forward. With the clone engine, a model whose backward cannot
 be vmapped falls back to ``is_grads_batched`` and then to a loop of ``k`` backwards.
 
 Both engines compute the same quantities; the algorithms built on top are engine-agnostic.

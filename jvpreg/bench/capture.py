@@ -7,7 +7,7 @@ engine, compiled with the same Inductor options: :func:`jvpreg.clone.program.cap
 *interleaved* (one run of every method per round, in a fresh random order each round), so slow drifts
 of a shared machine hit every method alike and no method always runs right after the one that warmed
 its caches (``forward_B`` before ``forward_2B`` ran the same code on the same weights: a fixed order
-favoured the 2B forward by 5-15% on the sub-millisecond models); times are medians over rounds. Every method's JVP is checked against the eager clone
+favoured the 2B forward on the sub-millisecond models); times are medians over rounds. Every method's JVP is checked against the eager clone
 engine once, and a method that fails is recorded as failing (the run goes on). The autodiff methods run with
 attention unfused (``nn.MultiheadAttention``'s fast path off, SDPA's math kernel: torch's fused attention has no
 forward AD, so a ViT fails otherwise); the clone engines and the plain forwards keep the fused kernels.

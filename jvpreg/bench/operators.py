@@ -20,8 +20,8 @@ Outputs ``<name>.json``, ``<name>.md`` and ``<name>.png`` (one panel per batch s
 vs ``B`` rows, dashed: vs ``2B`` rows; red line at 1).
 
 Allocator (CPU): glibc serves buffers above its (dynamic, history-dependent) mmap threshold with
-fresh pages, so a memory-bound op pays ~20 page faults per MiB on every call or on none, depending
-on what ran before: the same relu measured 1.1 ms or 21 ms in one process. ``--steady-malloc``
+fresh pages, so a memory-bound op pays page faults on every call or on none, depending on what ran
+before: the same relu's time varied widely in one process. ``--steady-malloc``
 (default on CPU) calls ``mallopt`` to serve every buffer from the heap and keep freed memory there,
 the CPU analogue of PyTorch's CUDA caching allocator, so the figure shows compute, not page faults.
 """

@@ -383,7 +383,7 @@ def _budgeted(first: float, s: Settings) -> tuple:
 
 
 def _free(device: torch.device, collect: bool = True) -> None:
-    """Release memory: ``gc.collect`` (slow: ~0.4 s with torch loaded) only when asked, e.g. after a
+    """Release memory: ``gc.collect`` (slow with torch loaded) only when asked, e.g. after a
     failure, whose traceback keeps the cell's tensors alive in a reference cycle."""
     if collect:
         gc.collect()

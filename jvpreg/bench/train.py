@@ -44,7 +44,7 @@ Timing: every method gets ``warmup`` untimed steps, then ``repeats`` rounds of o
 method each (round-robin, so load changes on a shared machine hit all methods alike); wall-clock
 medians (what the targets use) and process CPU time are reported. On a busy machine use
 ``--threads 1``: with several OpenMP threads, a thread descheduled by another job stalls every
-parallel region (slowdowns of 10-100x were seen). ``--no-inplace`` turns in-place activations
+parallel region. ``--no-inplace`` turns in-place activations
 (ResNet's ``ReLU(inplace=True)``) into out-of-place ones for every method. ``--device cuda`` times with CUDA
 synchronisation and takes peak memory from the caching allocator (written for the GPU tables; not run here: no GPU).
 ``--autocast bf16`` runs every method's forward and penalty under ``torch.autocast`` (backward outside it, as in a
@@ -266,7 +266,7 @@ def _rss_peak_memory(step: "Step", repeats: int) -> Optional[float]:
 
     Free heap pages are returned to the OS first (``malloc_trim``) and the kernel's high-water mark is
     reset (``/proc/self/clear_refs``), so the figure is the step's own peak: activations saved for
-    backward, gradients, temporaries. One step's figure moves by 10-20% with what the allocator keeps,
+    backward, gradients, temporaries. One step's figure moves with what the allocator keeps,
     hence the median. ``None`` where the kernel does not offer this.
     """
     import ctypes

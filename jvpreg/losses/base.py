@@ -438,7 +438,7 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
     b = x.shape[0]
     named_cache: List[Dict[str, torch.Tensor]] = []
 
-    def named() -> Dict[str, torch.Tensor]:  # built when needed: 0.3-0.7 ms a step on ResNet-50 / DenseNet-121
+    def named() -> Dict[str, torch.Tensor]:  # built when needed: a walk over every tensor of a deep network
         if not named_cache:
             named_cache.append(_named_tensors(model))
         return named_cache[0]
