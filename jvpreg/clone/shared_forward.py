@@ -39,6 +39,7 @@ class SharedCall:
         where: the caller, named in errors.
 
     Attributes:
+        called: ``module`` as given.
         engine: the engine, ``"auto"`` resolved for a compiled module (:func:`jvpreg.jvp`'s rule).
         module: what the clone forward runs: ``module``, or the original under ``torch.compile``.
 
