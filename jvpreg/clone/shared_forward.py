@@ -16,7 +16,7 @@ The input ``x`` of the call carries directions ``u`` (shape ``(k, *x.shape)``). 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -95,19 +95,22 @@ class SharedCall:
             return call(self.module, args, kwargs, engine=self.engine)
         return capture.call(self.module, tuple(args), dict(kwargs), engine=self.engine, fn=fn)
 
-    @contextlib.contextmanager
-    def forward_called(self) -> Iterator[None]:
+    def forward_called(self) -> ContextManager[None]:
         """Inside: calling the module reaches its ``forward`` attribute, also where the module is compiled in place
         (``module.compile()``: its call runs the compiled ``_call_impl``, which Dynamo enters before ``forward``)."""
-        module = self.called
-        if not capture.compiled_in_place(module):
-            yield
-            return
-        compiled, module._compiled_call_impl = module._compiled_call_impl, None
-        try:
-            yield
-        finally:
-            module._compiled_call_impl = compiled
+        if not capture.compiled_in_place(self.called):
+            return contextlib.nullcontext()
+        return _uncompiled_call(self.called)
+
+
+@contextlib.contextmanager
+def _uncompiled_call(module: nn.Module) -> Iterator[None]:
+    """Inside: ``module``, compiled in place, calls its plain ``_call_impl``."""
+    compiled, module._compiled_call_impl = module._compiled_call_impl, None
+    try:
+        yield
+    finally:
+        module._compiled_call_impl = compiled
 
 
 def packed_scales(x: torch.Tensor, u: torch.Tensor, scale: Any = "auto") -> Tuple[Optional[torch.Tensor],
