@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from pytorch_lightning import Callback, LightningModule
 from torch import nn
 
-from .callbacks.strategies import destroy_process_group_at_exit
+from .callbacks.strategies import destroy_process_group_at_exit, fully_shard_blocks, is_fully_sharded
 
 __all__ = ["ImageClassifier", "MetricsHistory"]
 
@@ -113,8 +113,6 @@ class ImageClassifier(LightningModule):
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (``trainer=fsdp``): FSDP2 over the data-parallel mesh, one group
         per child block of ``net`` (:func:`jvpreg.callbacks.strategies.fully_shard_blocks`). Else nothing."""
-        from jvpreg.callbacks.strategies import fully_shard_blocks, is_fully_sharded
-
         mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy only
         if mesh is None or is_fully_sharded(self.net):  # configure_model runs again for test/validate
             return

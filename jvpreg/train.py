@@ -52,6 +52,8 @@ import hydra
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
+from jvpreg.app_setup import build_callbacks, build_loggers, config_dict, zero_weight
+
 log = logging.getLogger("jvpreg.train")
 
 __all__ = ["SweepSummaryCallback", "main", "train", "build_callbacks", "build_loggers"]
@@ -65,70 +67,6 @@ def _setdefault_wandb_mode() -> None:
     ``wandb agent`` started this run (``WANDB_SWEEP_ID`` set: the agent's run must be online)."""
     if "WANDB_SWEEP_ID" not in os.environ:
         os.environ.setdefault("WANDB_MODE", "offline")
-
-
-def _instantiate_named(group: Optional[DictConfig], what: str, *, skip_zero_weight: bool = False) -> List[Any]:
-    """Instantiate every ``{name: {_target_: ...}}`` entry of a config group (skips nulls).
-
-    With ``skip_zero_weight``, entries whose ``weight`` is 0 are skipped (and logged).
-    """
-    from hydra.utils import instantiate
-
-    out: List[Any] = []
-    if not group:
-        return out
-    if not isinstance(group, DictConfig):
-        raise TypeError(f"jvpreg-train: expected the {what} config to be a mapping of name -> config, got {group!r}")
-    for name, conf in group.items():
-        if conf is None:
-            continue
-        if not isinstance(conf, DictConfig) or "_target_" not in conf:
-            raise TypeError(f"jvpreg-train: {what}.{name} must be a config with a _target_, got {conf!r}")
-        if skip_zero_weight and _is_zero(conf.get("weight")):
-            log.info("%s.%s has weight 0: skipped (plain training)", what, name)
-            continue
-        out.append(instantiate(conf))
-    return out
-
-
-def _is_zero(value: Any) -> bool:
-    try:
-        return float(value) == 0.0
-    except (TypeError, ValueError):
-        return False
-
-
-def build_callbacks(cfg: DictConfig) -> List[Any]:
-    """The callbacks of ``cfg.callbacks`` and the regularizers of ``cfg.regularizer.callbacks``.
-
-    Regularizers with ``weight == 0`` are skipped (plain training). Lightning callbacks are built
-    first, then the regularizers, so several regularizers share one clone forward.
-    """
-    callbacks = _instantiate_named(cfg.get("callbacks"), "callbacks")
-    reg = cfg.get("regularizer")
-    if isinstance(reg, DictConfig):
-        callbacks += _instantiate_named(reg.get("callbacks"), "regularizer.callbacks", skip_zero_weight=True)
-    return callbacks
-
-
-def _check_logger_available(conf: DictConfig) -> None:
-    target = str(conf.get("_target_", ""))
-    if target.endswith("TensorBoardLogger"):
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
-            raise ImportError("jvpreg-train: logger=tensorboard needs the tensorboard package, which is not "
-                              "installed. Fix: pip install tensorboard (or choose logger=csv / logger=wandb).")
-
-
-def build_loggers(cfg: DictConfig) -> List[Any]:
-    """The loggers of ``cfg.logger`` (``{}``/``null``: none). Checks optional packages first."""
-    group = cfg.get("logger")
-    if group:
-        for conf in group.values():
-            if conf is not None:
-                _check_logger_available(conf)
-    return _instantiate_named(group, "logger")
 
 
 def _model_name(cfg: DictConfig) -> Optional[str]:
@@ -181,13 +119,6 @@ def _check_model_size(cfg: DictConfig) -> None:
         raise ValueError(f"jvpreg-train: model={name} needs inputs of at least {need}x{need}, but the data gives "
                          f"{side}x{side}. Fix: resize in the datamodule with data.resize={need} (or larger), "
                          f"or pick a model for small images (small_cnn, mlp, rnn, lenet5 with data.resize=16).")
-
-
-def _config_dict(cfg: DictConfig) -> Dict[str, Any]:
-    """The resolved run config as a plain dict (without the ``hydra`` node), for loggers and checkpoints."""
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    container.pop("hydra", None)  # type: ignore[union-attr]
-    return container  # type: ignore[return-value]
 
 
 def _finish_wandb() -> None:
@@ -331,7 +262,7 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
             raise ValueError(f"compile={cfg.compile!r}: expected true/false or torch.compile's arguments, e.g. "
                              "compile='{mode: max-autotune}'.")
         net.compile(**(OmegaConf.to_container(cfg.compile) if isinstance(cfg.compile, DictConfig) else {}))
-    run_config = _config_dict(cfg)
+    run_config = config_dict(cfg)
     lit = ImageClassifier(net, optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
                           scheduler=instantiate(cfg.scheduler) if cfg.get("scheduler") else None,
                           label_smoothing=float(cfg.get("label_smoothing", 0.0)), run_config=run_config)
@@ -418,7 +349,7 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
 
 def _reg_summary(cfg: DictConfig) -> str:
     reg = cfg.get("regularizer") or {}
-    names = [k for k, v in (reg.get("callbacks") or {}).items() if v is not None and not _is_zero(v.get("weight"))]
+    names = [k for k, v in (reg.get("callbacks") or {}).items() if v is not None and not zero_weight(v.get("weight"))]
     if not names:
         return "none"
     return "+".join(f"{k}(w={float(reg.callbacks[k].weight):g})" for k in names)
@@ -513,7 +444,7 @@ def _hydra_main(cfg: DictConfig) -> Optional[float]:
     _setdefault_wandb_mode()
     try:
         if cfg.get("generative"):  # a generative objective (experiment=digits_meanflow): jvpreg.generative.run
-            from jvpreg.generative.run import train_generative
+            from jvpreg.generative.run import train_generative  # here: a classifier run needs none of it
 
             result, _ = train_generative(cfg)
         else:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import jvpreg
-from jvpreg.bench.capture import SUITES, _vit_small
+from jvpreg.bench.capture import SUITES, vit_small
 from jvpreg.callbacks.regularizer import JacobianRegularizer
 from jvpreg.callbacks.shared import SharedForward
 from jvpreg.clone.program import capture
@@ -37,7 +37,7 @@ IMAGE_MODELS = {
             (4, 3, 16, 16)),
     "cnn_bn": (_cnn_bn, (4, 3, 16, 16)),
     "resnet18": (SUITES["small"]["resnet18"][0], (2, 3, 32, 32)),
-    "vit": (_vit_small, (2, 3, 32, 32)),
+    "vit": (vit_small, (2, 3, 32, 32)),
 }
 SEQUENCE_MODELS = {name: SUITES["rnn"][name] for name in ("lstm2", "gru2", "lstm2_packed")}
 MODELS = {**IMAGE_MODELS, **SEQUENCE_MODELS, "row_rnn": SUITES["rnn"]["row_rnn"]}

@@ -21,8 +21,8 @@ Engines:
 VJPs (the engine only changes the JVPs): ``torch.func.vmap`` over the function returned by
 ``torch.func.vjp`` — one recorded plain forward of ``B`` rows, kept for the operator's lifetime,
 and one batched backward for ``k`` cotangents. On CPU it was as fast as or faster than
-``torch.autograd.grad(..., is_grads_batched=True)`` (2x on ResNet-18) and much faster than
-backpropagating through the clone forward. With the clone engine, a model whose backward cannot
+``torch.autograd.grad(..., is_grads_batched=True)`` and much faster than backpropagating through the
+clone forward. With the clone engine, a model whose backward cannot
 be vmapped falls back to ``is_grads_batched`` and then to a loop of ``k`` backwards.
 
 Both engines compute the same quantities; the algorithms built on top are engine-agnostic.
@@ -36,6 +36,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
+
+from ..clone import jvp as clone_jvp
 
 __all__ = ["ENGINES", "ConvergenceWarning", "PerSampleJacobian", "random_directions"]
 
@@ -186,8 +188,6 @@ class PerSampleJacobian:
             for sl in self._chunks(V.shape[1]):
                 T = self._to_tangents(V[:, sl])
                 if self.engine == "clone":
-                    from jvpreg import jvp as clone_jvp
-
                     _, JT = clone_jvp(self.model, (self.x,), (T,), batched_tangents=True)
                 else:
                     x, model = self.x, self.model

@@ -7,7 +7,7 @@ engine, compiled with the same Inductor options: :func:`jvpreg.clone.program.cap
 *interleaved* (one run of every method per round, in a fresh random order each round), so slow drifts
 of a shared machine hit every method alike and no method always runs right after the one that warmed
 its caches (``forward_B`` before ``forward_2B`` ran the same code on the same weights: a fixed order
-favoured the 2B forward by 5-15% on the sub-millisecond models); times are medians over rounds. Every method's JVP is checked against the eager clone
+favoured the 2B forward on the sub-millisecond models); times are medians over rounds. Every method's JVP is checked against the eager clone
 engine once, and a method that fails is recorded as failing (the run goes on). The autodiff methods run with
 attention unfused (``nn.MultiheadAttention``'s fast path off, SDPA's math kernel: torch's fused attention has no
 forward AD, so a ViT fails otherwise); the clone engines and the plain forwards keep the fused kernels.
@@ -76,15 +76,16 @@ def _tv(name: str, **kw) -> Callable[[], nn.Module]:
     return build
 
 
-def _vit_small():
+def vit_small():
+    """The small-op suite's ViT: 4 layers of width 64 on 32x32 images in 8x8 patches, its head random."""
     import torchvision
 
     model = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=4, num_heads=4, hidden_dim=64,
                                                  mlp_dim=128, num_classes=10)
-    return _random_head(model)
+    return random_head(model)
 
 
-def _random_head(model: nn.Module) -> nn.Module:
+def random_head(model: nn.Module) -> nn.Module:
     """torchvision's ViTs start with a zero head (every JVP is 0): give it random weights."""
     nn.init.normal_(model.heads.head.weight, std=0.02)
     return model
@@ -147,7 +148,7 @@ SUITES: Dict[str, Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]]] = 
         "mlp20x64": (_mlp, (4, 64)),
         "resnet18": (_tv("resnet18", num_classes=10), (1, 3, 32, 32)),
         "mobilenet_v3_small": (_tv("mobilenet_v3_small", num_classes=10), (1, 3, 32, 32)),
-        "vit_4x64": (_vit_small, (2, 3, 32, 32)),
+        "vit_4x64": (vit_small, (2, 3, 32, 32)),
     },
     "rnn": {
         "row_rnn": (_row_rnn, (4, 1, 28, 28)),
@@ -169,7 +170,7 @@ SUITES: Dict[str, Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...]]]] = 
     },
     "gpu": {
         "resnet50": (_tv("resnet50"), (32, 3, 224, 224)),
-        "vit_b_16": (lambda: _random_head(_tv("vit_b_16")()), (32, 3, 224, 224)),
+        "vit_b_16": (lambda: random_head(_tv("vit_b_16")()), (32, 3, 224, 224)),
         "densenet121": (_tv("densenet121"), (32, 3, 224, 224)),
     },
 }

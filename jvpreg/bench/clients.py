@@ -21,16 +21,22 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+import jvpreg
+from jvpreg.bench.report import (command_line, describe_git, fmt_ratio, geo_mean, git_state, md_table, steady_malloc,
+                                 write_results)
+from jvpreg.bench.timing import machine_description
+from jvpreg.clone import JVPCaptureWarning
+from jvpreg.clone.program.capture import programs
 
 __all__ = ["Client", "CLIENTS", "by_name", "to_dtype", "no_dropout", "engine_used", "main"]
 
@@ -377,8 +383,6 @@ def engine_used(model: nn.Module, before: Dict[Any, int]) -> str:
 
 def replays(model: nn.Module) -> Dict[Any, int]:
     """Replays so far of each captured program of ``model`` (programs that run eagerly left out)."""
-    from jvpreg.clone.program.capture import programs
-
     return {k: p.replays for k, p in programs(model).items() if p.gm is not None}
 
 
@@ -388,8 +392,6 @@ METHODS = ("forward_B", "forward_2B", "jvpreg", "torch.func.jvp", "autograd.func
 
 
 def _methods(client: Client, model: nn.Module, b: int, dtype: torch.dtype, compiled: bool) -> Dict[str, Callable]:
-    import jvpreg
-
     f, x, u = client.call(model, b, dtype, torch.Generator().manual_seed(1))
     f2, x2, _ = client.call(model, 2 * b, dtype, torch.Generator().manual_seed(1))
 
@@ -421,8 +423,6 @@ def bench_one(client: Client, b: int, repeats: int, warmup: int, dtype: torch.dt
     """Interleaved repeats of every method (one call of each per round), CPU-clock medians, and the engine the
     default path ran; every method's tangent checked against jvpreg's once (relative max error)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from jvpreg.clone.core.errors import JVPCaptureWarning
 
     torch.manual_seed(0)
     model = to_dtype(no_dropout(client.build()), dtype).eval()
@@ -465,8 +465,6 @@ def bench_one(client: Client, b: int, repeats: int, warmup: int, dtype: torch.dt
 
 
 def to_markdown(rows: Sequence[Dict[str, Any]], meta: Dict[str, Any]) -> str:
-    from jvpreg.bench.report import fmt_ratio, geo_mean, md_table
-
     ms = lambda r, n: f"{1e3 * r['median_s'][n]:.2f}" if n in r.get("median_s", {}) else "fail"  # noqa: E731
     table = md_table(
         ["model", "library", "call", "engine", "fwd B ms", "fwd 2B ms", "jvpreg ms", "torch.func ms",
@@ -502,9 +500,6 @@ def to_markdown(rows: Sequence[Dict[str, Any]], meta: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from jvpreg.bench.report import command_line, describe_git, geo_mean, git_state, steady_malloc, write_results
-    from jvpreg.bench.timing import machine_description
-
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m jvpreg.bench clients", description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=4)

@@ -1,4 +1,4 @@
-"""What a forward keeps for backward, counted exactly (the RSS peak of a step moves 10-30% between runs)."""
+"""What a forward keeps for backward, counted exactly (the RSS peak of a step moves between runs)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable
@@ -37,7 +37,7 @@ def peak_live_bytes(fn: Callable[[], Any]) -> "float | None":
 
     Counted from the allocator's own events (``torch.profiler`` with ``profile_memory``, its memory timeline):
     what the program needs at its worst moment (activations, gradients, temporaries), independent of what
-    glibc keeps or returns to the OS, which moves a step's RSS peak by 10-30% and up to 1.5x between methods
+    glibc keeps or returns to the OS, which moves a step's RSS peak between runs, and more between methods
     with different allocation sizes. ``None`` where this torch's profiler has no memory timeline.
     """
     try:

@@ -20,8 +20,8 @@ Outputs ``<name>.json``, ``<name>.md`` and ``<name>.png`` (one panel per batch s
 vs ``B`` rows, dashed: vs ``2B`` rows; red line at 1).
 
 Allocator (CPU): glibc serves buffers above its (dynamic, history-dependent) mmap threshold with
-fresh pages, so a memory-bound op pays ~20 page faults per MiB on every call or on none, depending
-on what ran before: the same relu measured 1.1 ms or 21 ms in one process. ``--steady-malloc``
+fresh pages, so a memory-bound op pays page faults on every call or on none, depending on what ran
+before: the same relu's time varied widely in one process. ``--steady-malloc``
 (default on CPU) calls ``mallopt`` to serve every buffer from the heap and keep freed memory there,
 the CPU analogue of PyTorch's CUDA caching allocator, so the figure shows compute, not page faults.
 """
@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..clone import call, pack
 from . import report
 from .timing import machine_description
 
@@ -75,8 +76,6 @@ def run(ops: Sequence[str], sizes: Sequence[int], batch_sizes: Sequence[int], *,
         repeats: int = 20, warmup: int = 3, device: str = "cpu", cell_budget: float | None = None,
         seed: int = 0, stat: str = "median", clock: str = "wall", show_progress: bool = True) -> List[Dict[str, Any]]:
     """One record per (op, B, S): times of clone (2B rows), default (B rows) and default (2B rows)."""
-    from jvpreg.clone import call, pack
-
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     records: List[Dict[str, Any]] = []

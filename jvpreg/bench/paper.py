@@ -78,6 +78,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+import jvpreg
+
 from . import report
 from .timing import machine_description, sync
 
@@ -160,8 +162,6 @@ class Method:
 
 
 def _build_clone(p: Problem):
-    import jvpreg
-
     # engine="captured": the default engine's steady state from the first (checking) call on, also where the
     # cell budget leaves no warm-up call ("auto" would capture on the first timed one)
     if p.kind == "x":
@@ -383,7 +383,7 @@ def _budgeted(first: float, s: Settings) -> tuple:
 
 
 def _free(device: torch.device, collect: bool = True) -> None:
-    """Release memory: ``gc.collect`` (slow: ~0.4 s with torch loaded) only when asked, e.g. after a
+    """Release memory: ``gc.collect`` (slow with torch loaded) only when asked, e.g. after a
     failure, whose traceback keeps the cell's tensors alive in a reference cycle."""
     if collect:
         gc.collect()

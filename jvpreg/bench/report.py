@@ -199,8 +199,8 @@ def steady_malloc() -> bool:
     """Serve all allocations from glibc's heap and never trim it (``mallopt``); False where unavailable.
 
     glibc serves buffers above its dynamic, history-dependent mmap threshold with fresh pages, so a
-    memory-bound op pays page faults (~20 per MiB) on every call or on none depending on what ran
-    before (one relu measured 1.1 ms or 21 ms in the same process). A steady heap is the CPU analogue
+    memory-bound op pays page faults on every call or on none depending on what ran before (one relu's
+    time varied widely in the same process). A steady heap is the CPU analogue
     of PyTorch's CUDA caching allocator. Process-wide and irreversible: call it in benchmark
     processes only.
     """

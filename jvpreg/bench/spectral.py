@@ -169,10 +169,10 @@ def _markdown(rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> str:
         "Columns: *speed-up* = torch.func solve / clone solve. *JVP speed-up* = torch.func / clone time spent in "
         "JVPs per iteration (the VJP half of each iteration is the same reverse mode in both columns and "
         "dilutes the speed-up of the solve). *Plain fwd*: one ordinary forward of the m+1 rows a clone pass "
-        "holds — the physical limit of a clone JVP block (DESIGN.md §3). *Max rel. diff σ*: largest relative "
-        "difference between the two engines' k values (same iterations, same start vectors). *Rel. change / "
-        "residual*: relative change of the top-k values at the last iteration and max‖Jᵀu_i − σ_i v_i‖/σ_1 "
-        "(clone run) — how far the fixed number of iterations is from convergence.",
+        "holds — the physical limit of a clone JVP block (docs/design.md §3, the cost model). *Max rel. diff σ*: "
+        "largest relative difference between the two engines' k values (same iterations, same start vectors). "
+        "*Rel. change / residual*: relative change of the top-k values at the last iteration and "
+        "max‖Jᵀu_i − σ_i v_i‖/σ_1 (clone run) — how far the fixed number of iterations is from convergence.",
         "",
         "Notes: the machine is shared with other jobs, so absolute times are noisy (per-run times are in the "
         ".json); the engines were timed interleaved in the same process. With `--threads 1` the timings are "

@@ -44,7 +44,7 @@ Timing: every method gets ``warmup`` untimed steps, then ``repeats`` rounds of o
 method each (round-robin, so load changes on a shared machine hit all methods alike); wall-clock
 medians (what the targets use) and process CPU time are reported. On a busy machine use
 ``--threads 1``: with several OpenMP threads, a thread descheduled by another job stalls every
-parallel region (slowdowns of 10-100x were seen). ``--no-inplace`` turns in-place activations
+parallel region. ``--no-inplace`` turns in-place activations
 (ResNet's ``ReLU(inplace=True)``) into out-of-place ones for every method. ``--device cuda`` times with CUDA
 synchronisation and takes peak memory from the caching allocator (written for the GPU tables; not run here: no GPU).
 ``--autocast bf16`` runs every method's forward and penalty under ``torch.autocast`` (backward outside it, as in a
@@ -71,6 +71,7 @@ from ..callbacks.shared import SharedForward
 from jvpreg.clone.program.capture import inductor_options
 from ..losses import JacobianFrobenius
 from . import memory, report
+from .capture import random_head, vit_small
 from .timing import machine_description, measure
 
 LAM = 0.01
@@ -106,15 +107,11 @@ def build(name: str) -> tuple:
         return nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.ReLU(),
                              nn.Linear(200, 10)), (1, 28, 28)
     if name == "vit":
-        from .capture import _vit_small
-
-        return _vit_small(), (3, 32, 32)
+        return vit_small(), (3, 32, 32)
     if name == "vit_257":  # the small ViT on 64x64 images with 4x4 patches: 257 tokens, attention-dominated
         import torchvision
 
-        from .capture import _random_head
-
-        return _random_head(torchvision.models.VisionTransformer(image_size=64, patch_size=4, num_layers=4, num_heads=4,
+        return random_head(torchvision.models.VisionTransformer(image_size=64, patch_size=4, num_layers=4, num_heads=4,
                                                                  hidden_dim=64, mlp_dim=128, num_classes=10)), (3, 64, 64)
     raise ValueError(f"bench train: unknown model {name!r}; expected 'resnet18', 'resnet18_64px', "
                      "'resnet18_gn', 'mlp', 'mlp200', 'vit' or 'vit_257'.")
@@ -269,7 +266,7 @@ def _rss_peak_memory(step: "Step", repeats: int) -> Optional[float]:
 
     Free heap pages are returned to the OS first (``malloc_trim``) and the kernel's high-water mark is
     reset (``/proc/self/clear_refs``), so the figure is the step's own peak: activations saved for
-    backward, gradients, temporaries. One step's figure moves by 10-20% with what the allocator keeps,
+    backward, gradients, temporaries. One step's figure moves with what the allocator keeps,
     hence the median. ``None`` where the kernel does not offer this.
     """
     import ctypes

@@ -37,14 +37,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from pytorch_lightning import Callback, LightningModule, Trainer
 
-from jvpreg.clone.program.capture import ENGINES
 from ..losses.base import (JVPPenalty, Stack, Term, as_terms, check_choice, check_float, check_int,
                            regularized_forward)
 from ..losses.row_subset import check_rows
 from ..losses.constraints import TRANSFORMS, JVPConstraint, TangentProp
 from ..losses.jacobian import JacobianFrobenius, JacobianSpectralNorm
 from ..losses.sensitivity import ParameterSensitivity
-from ..clone import JVPFallbackWarning
+from ..clone import ENGINES, JVPFallbackWarning
 from .scale_check import ScaleCheck
 from .shared import SharedForward
 from .strategies import check_strategy, destroy_process_group_at_exit

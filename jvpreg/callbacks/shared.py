@@ -17,10 +17,9 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_mod
+from torch.nn.modules import module as torch_module
 
-from ..clone import api as _api
-from jvpreg.clone.program import capture
+from ..clone import SharedCall
 from ..losses import row_subset as _row_subset
 from ..losses.base import Plan, Term, prepare, subset_rows
 
@@ -62,6 +61,17 @@ def _positional_index(module: nn.Module, name: str) -> Optional[int]:
     return None
 
 
+def _hooked_elsewhere(module: nn.Module) -> bool:
+    """Whether a hook besides the :class:`SharedForward`'s own (one forward pre-hook, one forward hook) sees the
+    calls of ``module``: another forward hook, a backward hook, or one of torch's global module hooks. Torch registers
+    the global hooks with public functions (``torch.nn.modules.module.register_module_forward_hook``, ...) but lists
+    them nowhere public: their dicts are read here, and only here."""
+    m = torch_module
+    return (len(module._forward_pre_hooks) != 1 or len(module._forward_hooks) != 1
+            or bool(module._backward_hooks or module._backward_pre_hooks or m._global_forward_pre_hooks
+                    or m._global_forward_hooks or m._global_backward_hooks or m._global_backward_pre_hooks))
+
+
 def _float_names(args: tuple, kwargs: dict, module: nn.Module) -> str:
     """The forward arguments of this call that hold float tensors, by name."""
     names = [p.name for p in _params(module) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -100,11 +110,11 @@ class SharedForward:
     def __init__(self, module: nn.Module, *, input_index: int = 0, input_key: Optional[str] = None,
                  engine: str = "auto"):
         self.module = module
-        self.engine = capture.resolve_engine(engine, module, "SharedForward(module)")
+        self._call = SharedCall(module, engine, where="SharedForward(module)")
         self.input_index = input_index
         self.input_key = input_key
         self._terms: Optional[List[Term]] = None
-        self._compiled_call: Optional[Any] = None
+        self._forward_called = None  # the context in which calling the module reaches the armed forward
         self._targets: Optional[List[Any]] = None
         self._plan: Optional[Plan] = None
         self._x: Optional[torch.Tensor] = None  # the input a packed call clones inside its program
@@ -123,6 +133,11 @@ class SharedForward:
             module.register_forward_hook(self._post_hook),
         ]
 
+    @property
+    def engine(self) -> str:
+        """The engine the cloned call runs on (``"auto"`` resolved for a compiled module)."""
+        return self._call.engine
+
     # -- arming -----------------------------------------------------------------------------
     def arm(self, terms: Sequence[Term], targets: Optional[Sequence[Any]] = None, *, row_subset: Any = None) -> None:
         """Clone the next call of the module for ``terms`` (``(penalty, weight, batch_fraction)``), with tangents on
@@ -131,26 +146,24 @@ class SharedForward:
         self._row_subset = _row_subset.check_rows("SharedForward.arm(terms)", row_subset)
         self._terms = list(terms)
         self._targets = None if targets is None else list(targets)
-        # the cloned call runs through jvpreg.clone.call (captured program, compiled submodules
+        # the cloned call runs through the shared call (captured program, compiled submodules
         # uncompiled); ``forward`` is looked up before the pre-hook runs, so it is swapped here
         orig = self.module.forward
         self._own_forward = self.module.__dict__.get("forward")  # an instance-level forward set by the user
         self._orig_forward = orig
-
-        target = capture.unwrap_compiled(self.module)  # a compiled module clones its original code
-        fn = orig if target is self.module else target.forward
+        fn = self._call.module.forward  # a compiled module clones its original code
 
         @functools.wraps(orig)  # keeps the forward's signature visible (input_key checks)
         def forward(*args, **kwargs):
             if self._plan is None or self._depth:
                 return orig(*args, **kwargs)
             if self._plan.x_in is None:
-                return self._packed_call(target, fn, args, kwargs)
-            return capture.call(target, args, kwargs, engine=self.engine, fn=fn)
+                return self._packed_call(fn, args, kwargs)
+            return self._call(args, kwargs, fn=fn)
 
         self.module.forward = forward
-        if capture.compiled_in_place(self.module):  # module.compile(): Dynamo would take the call before `forward`
-            self._compiled_call, self.module._compiled_call_impl = self.module._compiled_call_impl, None
+        self._forward_called = self._call.forward_called()
+        self._forward_called.__enter__()
 
     def disarm(self) -> None:
         """Forget the armed terms and results; restore swapped parameters if a forward failed midway."""
@@ -160,8 +173,9 @@ class SharedForward:
             if self._own_forward is not None:
                 self.module.forward = self._own_forward
             self._orig_forward = self._own_forward = None
-        if self._compiled_call is not None:
-            self.module._compiled_call_impl, self._compiled_call = self._compiled_call, None
+        called, self._forward_called = self._forward_called, None
+        if called is not None:
+            called.__exit__(None, None, None)
         self._terms = self._targets = self._plan = self.plan = self.values = self.batch_size = None
         self._x = self._tan = None
         self._rows = None
@@ -272,32 +286,20 @@ class SharedForward:
         if plan.x_in is None:  # packed inside the program, from the arguments as they are
             self._x = x
             return (args, kwargs) if split else None
-        self._cm = plan.enter(module, watch=False)  # capture.call watches what it runs eagerly
+        self._cm = plan.enter(module, watch=False)  # the shared call watches what it runs eagerly
         return put(plan.x_in)
 
     def _packs_in_program(self, module: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-        """Whether this call packs its input inside the captured program (:func:`jvpreg.clone.api.packed_call`):
-        on the captured and compiled engines, where no other hook on the module sees the arguments or the output
-        (they would see the clone batch; a backward hook wraps the arguments), no argument is a container
-        (:func:`jvpreg.clone.api.packable`) and the input is passed once (found again by identity)."""
-        m = _module_mod
-        return (self.engine != "eager" and len(module._forward_pre_hooks) == 1 and len(module._forward_hooks) == 1
-                and not (module._backward_hooks or module._backward_pre_hooks or m._global_forward_pre_hooks
-                         or m._global_forward_hooks or m._global_backward_hooks or m._global_backward_pre_hooks)
-                and _api.packable(args, kwargs) and sum(v is x for v in (*args, *kwargs.values())) == 1)
+        """Whether this call packs its input inside the program (:meth:`jvpreg.clone.SharedCall.packs`); another
+        hook on the module would see the plain arguments and output where it sees the clone batch otherwise (a
+        backward hook wraps the arguments)."""
+        return self._call.packs(args, kwargs, x, hooks_outside=_hooked_elsewhere(module))
 
-    def _packed_call(self, target: nn.Module, fn: Any, args: tuple, kwargs: dict) -> Any:
+    def _packed_call(self, fn: Any, args: tuple, kwargs: dict) -> Any:
         """The armed call as one program ``(args, u, s) -> (f(x), J u, s)``; returns ``f(x)``, keeps ``J u``."""
-        plan, x = self._plan, self._x
-        leaves = [*args, *kwargs.values()]
-        at = [i for i, v in enumerate(leaves) if v is x]
-        if len(at) != 1:  # cannot happen: no other hook runs between the pre-hook and the forward
-            raise RuntimeError(f"SharedForward: the input its pre-hook saw is not among the arguments of "
-                               f"{type(self.module).__name__}.forward; please report this with the model, and use "
-                               "engine='eager' meanwhile.")
-        out, self._tan, s = _api.packed_call(target, args, kwargs, at[0], plan.u, plan.scales, fn=fn,
-                                             engine=self.engine, finite=True if plan.finite else None)
-        plan.scales = s
+        plan = self._plan
+        out, self._tan, plan.scales = self._call.packed(args, kwargs, self._x, plan.u, plan.scales, fn=fn,
+                                                        finite=plan.finite)
         return out
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any):

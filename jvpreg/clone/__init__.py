@@ -5,7 +5,9 @@ Layout: ``tensor`` (the K-block batch type), ``registry`` (the one rule registry
 module per family of nonlinear ops), ``functions`` (custom autograd.Functions), ``checkpointing``
 (``torch.utils.checkpoint`` regions recomputed in clone mode), ``api``
 (``jvp``, ``jvp_params``, ``pack``/``call``/``unpack``, and the pieces the losses share:
-``scales``, ``clone_of``, ``swapped_tensors``), ``capture`` (the captured and compiled engines), ``device_paths``
+``scales``, ``clone_of``, ``swapped_tensors``),
+``shared_forward`` (the losses' and callbacks' shared clone forward of a module call: ``SharedCall``),
+``capture`` (the captured and compiled engines), ``device_paths``
 (the host's path or an accelerator's, and :func:`~jvpreg.clone.core.device_paths.accelerator_path` to test the latter).
 """
 from jvpreg.clone.rules import structural  # noqa: F401  (registers the fast paths)
@@ -13,6 +15,9 @@ from jvpreg.clone import rules  # noqa: F401  (registers the rules)
 from jvpreg.clone.eager import checkpointing  # noqa: F401  (registers the reentrant checkpoint's rule)
 from jvpreg.clone.api import (call, choose_scales, clone_of, jvp, jvp_params, pack, primal_of, scales,
     swapped_tensors, unpack)
+from jvpreg.clone.shared_forward import SharedCall, packed_scales, swapped_clones
+from jvpreg.clone.program.capture import ENGINES
+from jvpreg.clone.eager.compiled_code import between_graphs
 from jvpreg.clone.core.errors import JVPCaptureWarning
 from jvpreg.clone.core.errors import JVPFallbackWarning, UnsupportedOpError
 from jvpreg.clone.eager.dispatch import fallback_mode, set_fallback
@@ -26,4 +31,5 @@ __all__ = [
     "clone_of", "fallback_mode", "is_clone", "jvp", "jvp_params", "pack", "primal_of", "register_function_rule",
     "register_handler", "register_rule", "register_state", "rule_for", "scales", "set_fallback",
     "swapped_tensors", "unpack",
+    "ENGINES", "SharedCall", "between_graphs", "packed_scales", "swapped_clones",
 ]

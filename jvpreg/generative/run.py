@@ -13,7 +13,18 @@ import os
 import time
 from typing import Any, Dict, Tuple
 
+import pytorch_lightning as pl
+import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig
+
+from jvpreg.app_setup import build_callbacks, build_loggers, config_dict
+from jvpreg.checkpoints import lightning_loading
+from jvpreg.lit import MetricsHistory
+
+from .lit import MeanFlowModule
+from .plots import loss_curves, quality_figure, sample_grid
+from .quality import digits_quality
 
 log = logging.getLogger("jvpreg.generative")
 
@@ -22,17 +33,6 @@ __all__ = ["train_generative"]
 
 def train_generative(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Train ``cfg.model`` with ``cfg.generative.loss`` on ``cfg.data`` and score its samples: ``(result, objects)``."""
-    import pytorch_lightning as pl
-    import torch
-    from hydra.utils import instantiate
-
-    from jvpreg.lit import MetricsHistory
-    from jvpreg.train import _config_dict, build_callbacks, build_loggers
-
-    from .lit import MeanFlowModule
-    from .plots import loss_curves, quality_figure, sample_grid
-    from .quality import digits_quality
-
     t0 = time.perf_counter()
     gen = cfg.generative
     out_dir = os.path.abspath(str(cfg.paths.output_dir))
@@ -44,7 +44,7 @@ def train_generative(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     datamodule = instantiate(cfg.data)
     net = instantiate(cfg.model)
     loss = instantiate(gen.loss)
-    run_config = _config_dict(cfg)
+    run_config = config_dict(cfg)
     lit = MeanFlowModule(net, loss, optimizer=instantiate(cfg.optimizer) if cfg.get("optimizer") else None,
                          ema_decay=float(gen.get("ema_decay", 0.999)), conditional=bool(gen.get("conditional", True)),
                          run_config=run_config)
@@ -54,8 +54,6 @@ def train_generative(cfg: DictConfig) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     for lg in loggers:
         lg.log_hyperparams(run_config)
     t_fit = time.perf_counter()
-    from jvpreg.checkpoints import lightning_loading
-
     # resume (ckpt_path=...) read as jvpreg-train reads it: weights only, unless trust_checkpoint=true
     with lightning_loading(cfg.get("ckpt_path"), what="jvpreg-train", trust=bool(cfg.get("trust_checkpoint"))) as wo:
         trainer.fit(lit, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=wo)

@@ -39,10 +39,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
-from ..clone import api as _api
-from jvpreg.clone.eager import functions as _functions
-from jvpreg.clone.program import capture as _capture
-from jvpreg.clone.eager.compiled_code import between_graphs
+from .. import clone
 from . import row_subset as _row_subset
 from . import sharded as _sharded
 
@@ -217,7 +214,7 @@ class JVPPenalty(nn.Module):
         """Scalar penalty from ``jvp`` of shape ``(k, m, *out.shape[1:])``."""
         raise NotImplementedError(f"{type(self).__name__} must implement penalty(jvp, context).")
 
-    @between_graphs
+    @clone.between_graphs
     def forward(self, model: nn.Module, x: torch.Tensor, target: Any = None, *, batch_fraction: float = 1.0,
                 args: Sequence[Any] = (), kwargs: Optional[Mapping[str, Any]] = None, engine: str = "auto",
                 row_subset: Any = None):
@@ -314,16 +311,11 @@ class Plan:
         """Context in which ``model``'s perturbed parameters are their clones (FSDP2-sharded ones are cloned
         from their unsharded values inside the forward, :func:`jvpreg.losses.sharded.swapped_unsharded`).
 
-        ``watch``: the forward inside runs ``model`` itself (eager clone mode), so the clone batches it stores on its
-        modules are made their primals at the end (:mod:`jvpreg.clone.eager.stored_clones`); ``False`` where the forward
-        inside is :func:`jvpreg.clone.call`, which does that for the calls it does not replay."""
+        ``watch``: as in :func:`jvpreg.clone.swapped_clones` (``True``: the forward inside runs ``model`` itself)."""
         with contextlib.ExitStack() as stack:
-            # a clone forward from here on: model hooks around the swapped call (FSDP2's post-forward)
-            # read the clone output before it is unpacked
-            stack.enter_context(_functions.active(model if watch else None))
-            if self.params:
-                named = _named_tensors(model)
-                stack.enter_context(_api.swapped_tensors(model, {named[n]: c for n, c in self.params.items()}))
+            named = _named_tensors(model) if self.params else {}
+            replace = {named[n]: c for n, c in self.params.items()}
+            stack.enter_context(clone.swapped_clones(model, replace, watch=watch))
             if self.sharded:  # FSDP2: cloned from the unsharded weights, inside the forward
                 stack.enter_context(_sharded.swapped_unsharded(model, self.sharded, self.scales))
             yield
@@ -336,7 +328,7 @@ class Plan:
 
     def finish(self, raw_output: Any) -> Tuple[Any, List[torch.Tensor]]:
         """``(f(x), [penalty_i])`` from the clone forward's output."""
-        return self.penalties(*_api.unpack(raw_output, self.scales, batched=True))
+        return self.penalties(*clone.unpack(raw_output, self.scales, batched=True))
 
     def penalties(self, out: Any, tan: Any) -> Tuple[Any, List[torch.Tensor]]:
         """``(f(x), [penalty_i])`` from the unpacked output ``f(x)`` and tangent output (leading dim ``k``)."""
@@ -422,7 +414,7 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
         targets: one target per term instead (overrides ``target``).
         forward: ``forward(z)`` runs the model on another input (see :class:`PenaltyContext`).
         scale: ``"auto"`` or a fixed difference scale (see :func:`jvpreg.clone.pack`).
-        pack: ``False`` where the caller packs inside its program (:func:`jvpreg.clone.api.packed_call`): when
+        pack: ``False`` where the caller packs inside its program (:meth:`jvpreg.clone.SharedCall.packed`): when
             only the input carries directions, ``plan.x_in`` is then ``None`` and ``plan.u`` holds them.
 
     Returns:
@@ -446,7 +438,7 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
     b = x.shape[0]
     named_cache: List[Dict[str, torch.Tensor]] = []
 
-    def named() -> Dict[str, torch.Tensor]:  # built when needed: 0.3-0.7 ms a step on ResNet-50 / DenseNet-121
+    def named() -> Dict[str, torch.Tensor]:  # built when needed: a walk over every tensor of a deep network
         if not named_cache:
             named_cache.append(_named_tensors(model))
         return named_cache[0]
@@ -514,19 +506,17 @@ def prepare(model: nn.Module, x: torch.Tensor, terms: Sequence[Term], *, target:
         _sharded.check_swappable(name, p, where)
         pairs.append((p, fill([None if pd is None else pd.get(name) for pd in param_dirs], p)))
     with_input = any(u is not None for u in input_dirs)
-    if with_input and not pack and not pairs:  # the caller's program packs x (packed_call)
+    if with_input and not pack and not pairs:  # the caller's program packs x (SharedCall.packed)
         u = fill(input_dirs, x)
-        if scale == "auto" and not _api.host_scales(x):
-            return Plan(x_in=None, scales=None, params={}, slots=slots, u=u)  # scales chosen in the program
-        s, finite = _api.checked_scales([(x, u)], total_k, scale)
+        s, finite = clone.packed_scales(x, u, scale)  # s None: chosen in the program
         return Plan(x_in=None, scales=s, params={}, slots=slots, u=u, finite=finite)
     scale_pairs = [_sharded.scale_pair(p, u) for p, u in pairs]
     if with_input:
-        (x_in,), s = _api.pack((x,), (fill(input_dirs, x),), scale=scale, extra_pairs=scale_pairs)
+        (x_in,), s = clone.pack((x,), (fill(input_dirs, x),), scale=scale, extra_pairs=scale_pairs)
     else:
-        s = _api.scales(scale_pairs, total_k, scale)
+        s = clone.scales(scale_pairs, total_k, scale)
         x_in = x
-    params = {name: _api.clone_of(p, u, s) for name, (p, u) in zip(param_names, pairs)
+    params = {name: clone.clone_of(p, u, s) for name, (p, u) in zip(param_names, pairs)
               if not _sharded.is_sharded(p)}
     sharded = {name: u for name, (p, u) in zip(param_names, pairs) if _sharded.is_sharded(p)}
     return Plan(x_in=x_in, scales=s, params=params, slots=slots, sharded=sharded)
@@ -598,7 +588,7 @@ class Stack(nn.Module):
         """``[(penalty, weight, batch_fraction), ...]``."""
         return list(zip(self.members, self._weights, self._fractions))
 
-    @between_graphs
+    @clone.between_graphs
     def forward(self, model: nn.Module, x: torch.Tensor, target: Any = None, *, args: Sequence[Any] = (),
                 kwargs: Optional[Mapping[str, Any]] = None, return_parts: bool = False, engine: str = "auto",
                 row_subset: Any = None):
@@ -635,32 +625,31 @@ def subset_rows(terms: Sequence[Term], x: torch.Tensor, row_subset: Any):
 
 def _run(model, x, terms, target, args, kwargs, engine="auto", row_subset=None):
     args, kwargs = tuple(args), dict(kwargs or {})
-    engine = _capture.resolve_engine(engine, model, "regularized_forward(model, x, penalties)")
-    plain, model = model, _capture.unwrap_compiled(model)
+    shared = clone.SharedCall(model, engine, where="regularized_forward(model, x, penalties)")
+    plain, model = model, shared.module
     rows = subset_rows(terms, x, row_subset)
     if rows is not None:  # the subset as the clone forward's own primal, then the other rows plainly
         s, r = rows
         batch = x.shape[0]
         x_r, args_r, kwargs_r = _row_subset.split((x, args, kwargs), batch, r)
         x, args, kwargs, target = _row_subset.split((x, args, kwargs, target), batch, s)
-        out, total, parts = _run(plain, x, terms, target, args, kwargs, engine)
+        out, total, parts = _run(plain, x, terms, target, args, kwargs, shared.engine)
         out_r = plain(x_r, *args_r, **kwargs_r) if r.numel() else None
         return _row_subset.merge(out, out_r, s, r), total, parts
-    packs = engine != "eager" and isinstance(model, nn.Module) and _api.packable((x, *args), kwargs)
+    packs = shared.packs((x, *args), kwargs, x)
     plan = prepare(model, x, terms, target=target, forward=lambda z: model(z, *args, **kwargs), pack=not packs)
     if plan.x_in is None:  # one program (args, u, s) -> (f(x), J u, s), as the callbacks' shared forward
-        out, tan, plan.scales = _api.packed_call(model, (x, *args), kwargs, 0, plan.u, plan.scales, fn=model,
-                                                 engine=engine, finite=True if plan.finite else None)
+        out, tan, plan.scales = shared.packed((x, *args), kwargs, x, plan.u, plan.scales, finite=plan.finite)
         out, values = plan.penalties(out, tan)
     else:
         with plan.swapped(model, watch=False):
-            raw = _api.call(model, (plan.x_in, *args), kwargs, engine=engine)
+            raw = shared((plan.x_in, *args), kwargs)
         out, values = plan.finish(raw)
     parts = {slot.name: v for slot, v in zip(plan.slots, values)}
     return out, plan.total(values), parts
 
 
-@between_graphs
+@clone.between_graphs
 def regularized_forward(model: nn.Module, x: torch.Tensor, penalties: Any, *, target: Any = None,
                         batch_fraction: float = 1.0, args: Sequence[Any] = (),
                         kwargs: Optional[Mapping[str, Any]] = None, engine: str = "auto",

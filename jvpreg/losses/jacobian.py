@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from ..clone import api as _api
+from ..clone import call, pack, unpack
 from .base import JVPPenalty, accum, PenaltyContext, check_choice, check_float, check_int, select_output
 
 __all__ = ["JacobianFrobenius", "JacobianSpectralNorm"]
@@ -199,8 +199,8 @@ class JacobianSpectralNorm(JVPPenalty):
         with preserve_buffers(context.model), torch.enable_grad():
             for _ in range(n):
                 leaf = v.detach().requires_grad_()
-                (c,), s = _api.pack((x,), (leaf[None],))
-                _, t = _api.unpack(_api.call(context.forward, (c,)), s)
+                (c,), s = pack((x,), (leaf[None],))
+                _, t = unpack(call(context.forward, (c,)), s)
                 t = select_output(t, self.output_key, type(self).__name__)
                 (g,) = torch.autograd.grad(accum(t).pow(2).sum(), leaf)
                 self._store(g)

@@ -8,8 +8,8 @@
 Two ways to run it, the same numbers (tests: float64, 1e-10):
 
 * ``shared_forward=True``: ``(z, r, t)`` are packed with tangents ``(v, 0, 1)`` into clone batches
-  (:func:`jvpreg.clone.api.pack`), the model runs once on them (:func:`jvpreg.clone.api.call`: captured
-  program from the second call on), and :func:`jvpreg.clone.api.unpack` gives ``u`` (the primal rows:
+  (:func:`jvpreg.clone.pack`), the model runs once on them (:func:`jvpreg.clone.call`: captured
+  program from the second call on), and :func:`jvpreg.clone.unpack` gives ``u`` (the primal rows:
   exactly the plain forward's output and its autograd graph, so ``∂loss/∂θ`` is exact) and ``du/dt``
   (detached: the stop-gradient). Train-mode BatchNorm takes its statistics and running averages from
   the primal rows only, and dropout draws one mask for all rows, so ``du/dt`` is the derivative of the
@@ -39,8 +39,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from ..clone import api as _api
-from jvpreg.clone.eager.compiled_code import between_graphs
+from ..clone import between_graphs, call, pack, unpack
 from .base import check_choice, check_float, check_seed
 
 __all__ = ["MeanFlowLoss", "MeanFlowOutput", "adaptive_l2", "sample_times"]
@@ -255,9 +254,9 @@ class MeanFlowLoss(nn.Module):
             return self._reference(model, primals, tans, kwargs)
         context = contextlib.nullcontext() if self.shared_forward else torch.no_grad()
         with context:
-            clones, s = _api.pack(primals, tuple(u[None] for u in tans), scale=self.scale)
-            out = _api.call(model, clones, kwargs, engine=self.engine)
-            u, dudt = _api.unpack(out, s, batched=False)
+            clones, s = pack(primals, tuple(u[None] for u in tans), scale=self.scale)
+            out = call(model, clones, kwargs, engine=self.engine)
+            u, dudt = unpack(out, s, batched=False)
         if not isinstance(u, torch.Tensor):
             raise TypeError(f"MeanFlowLoss: the model returned a {type(u).__name__}; expected the velocity tensor.")
         if not self.shared_forward:

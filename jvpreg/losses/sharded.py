@@ -22,8 +22,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
-from ..clone import api as _api
-from jvpreg.clone.core.tensor import is_clone
+from ..clone import clone_of, is_clone, swapped_tensors
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -142,7 +141,7 @@ def swapped_unsharded(model: nn.Module, directions: Dict[str, torch.Tensor], sca
         groups.setdefault(path, (manager, []))[1].append((model.get_submodule(owner_path), leaf, u))
 
     handles: list = []
-    saved: Dict[str, list] = {path: [] for path in groups}
+    saved = {path: contextlib.ExitStack() for path in groups}  # the swaps of each managing module, undone on exit
     clones: Dict[int, torch.Tensor] = {}  # id(unsharded W) -> its clone, one per context
     called = set()
 
@@ -160,13 +159,13 @@ def swapped_unsharded(model: nn.Module, directions: Dict[str, torch.Tensor], sca
                     "(tensor parallelism, or a fully_shard-ed ancestor whose forward is not running). Weight "
                     "directions need FSDP2 alone, with the regularized module called inside its manager's forward.")
             if id(w) not in clones:
-                clones[id(w)] = _api.clone_of(w, u.to(device=w.device, dtype=w.dtype), scales)
+                clones[id(w)] = clone_of(w, u.to(device=w.device, dtype=w.dtype), scales)
             replace[w] = clones[id(w)]
-        saved[path] += _api.swap_in(manager, replace, buffers=False)  # tied uses included
+        saved[path].enter_context(swapped_tensors(manager, replace))  # tied uses included
         called.add(path)
 
     def restore(path: str) -> None:
-        _api.restore(saved[path])
+        saved[path].close()
 
     for path, (manager, items) in groups.items():
         handles.append(manager.register_forward_pre_hook(lambda m, a, k, path=path: swap(path), with_kwargs=True))
