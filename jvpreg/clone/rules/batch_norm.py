@@ -35,9 +35,9 @@ from jvpreg.clone.core.tensor import capturing, compiling, is_clone, raw, varies
 from jvpreg.clone.eager.dispatch import fallback
 from jvpreg.clone.eager.functions import register_function_rule
 from jvpreg.clone.rules import kernels
-from jvpreg.clone.rules.blocks import assemble, count, each_block, primal, split, tangents
+from jvpreg.clone.rules.blocks import assemble, count, each_block, primal, split, stacked, tangents
 from jvpreg.clone.rules.kernels import (custom_operator, fake_tangent_and_sums, keeping_inputs, masked_by,
-    register_autograd, stacked)
+    register_autograd)
 from jvpreg.clone.rules.kinds import register_rule
 from jvpreg.clone.rules.normalization import affine_tangent, channel_view, verify_batch_size
 

@@ -16,7 +16,7 @@ import torch
 from jvpreg.clone.core.tensor import (CloneTensor, block_delta, each_block, is_clone, kept_primal, stack_blocks, tile,
     varies)
 
-__all__ = ["align", "as_batch", "assemble", "count", "each_block", "primal", "split", "tangents"]
+__all__ = ["align", "as_batch", "assemble", "count", "each_block", "primal", "split", "stacked", "tangents"]
 
 
 def count(*xs: Any) -> int:
@@ -82,6 +82,12 @@ def as_batch(t: torch.Tensor, k: int) -> torch.Tensor:
     """A constant ``t`` seen as a physical batch of ``k`` equal blocks (zero tangent): a view, for ops that read the
     blocks and keep none (:func:`assemble`'s ``k`` form materialises them, for an output)."""
     return t.unsqueeze(0).expand(k, *t.shape)
+
+
+def stacked(parts: list) -> torch.Tensor:
+    """The ``(K-1, ...)`` tangents of a formula computed one tangent at a time: ``torch.stack(parts)``, without its
+    copy for the usual single tangent (a view of a fresh tensor)."""
+    return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
 
 
 def align(flat: list, idx: list) -> list:

@@ -42,7 +42,7 @@ from torch.autograd import forward_ad
 
 from jvpreg.clone.core.device_paths import on_host
 from jvpreg.clone.core.tensor import CloneTensor, compiling
-from jvpreg.clone.rules.blocks import assemble, each_block
+from jvpreg.clone.rules.blocks import assemble, each_block, stacked
 
 __all__ = ["applies", "relu_blocks", "group_norm_tangent", "attention_blocks", "attention_probs",
            "attention_recomputed", "layer_norm_tangent", "linearised_attention"]
@@ -152,11 +152,6 @@ def masked_by(grad: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 register_autograd(relu_blocks, _backward, _setup)
-
-
-def stacked(parts):
-    """``torch.stack(parts)`` without its copy for the usual single tangent (a view of a fresh tensor)."""
-    return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
 
 
 def fake_tangent_and_sums(d, a, weight, mean, rstd, _setting):

@@ -38,7 +38,7 @@ from jvpreg.clone.core.tensor import (CloneTensor, any_clone, is_clone, iter_clo
 from jvpreg.clone.eager.dispatch import NOT_STATE, fallback, flat_clones, per_block, state_eval, state_write
 from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse
 from jvpreg.clone.eager.writes import detached_target, finish, write_back
-from jvpreg.clone.rules.blocks import align, assemble, count, each_block, primal, split, tangents
+from jvpreg.clone.rules.blocks import align, assemble, count, each_block, primal, split, stacked, tangents
 
 
 def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str | None = "inplace",
@@ -91,6 +91,7 @@ def register_rule(*funcs: Any, inplace: Iterable[Any] = (), inplace_kwarg: str |
         def in_place(func, args, kwargs):
             return run_in_place(args, {k: v for k, v in kwargs.items() if k != inplace_kwarg})
 
+        rule.__dict__.setdefault("__jvpreg_kind__", "rule")
         functools.wraps(rule)(out_of_place)
         functools.wraps(rule)(in_place)
         for f in existing(funcs):
@@ -109,24 +110,25 @@ def register_state(*funcs: Any) -> None:
         HANDLERS[f] = state_eval
 
 
-def _named(rule: Callable, formula: Callable) -> Callable:
-    """``rule`` under the name, docstring and module of the formula it was built from (what :func:`rule_for` and the
-    coverage table show); not ``functools.wraps``, whose ``__wrapped__`` would hand the formula's signature to
-    :func:`register_rule`."""
+def _named(rule: Callable, formula: Callable, kind: str) -> Callable:
+    """``rule`` under the name, docstring and module of the formula it was built from, tagged with its kind (what
+    :func:`jvpreg.clone.rule_for` and ``python -m jvpreg.clone.rules`` show); not ``functools.wraps``, whose
+    ``__wrapped__`` would hand the formula's signature to :func:`register_rule`."""
     rule.__name__, rule.__qualname__ = formula.__name__, formula.__qualname__
     rule.__doc__, rule.__module__ = formula.__doc__, formula.__module__
+    rule.__jvpreg_kind__ = kind
     return rule
 
 
-def smooth(*funcs: Any, inplace: Iterable[Any] = (), per_block: bool = False, primal_op: Callable | None = None):
+def smooth(*funcs: Any, inplace: Iterable[Any] = (), per_block: bool = False):
     """Register an elementwise op ``f`` linearised at the primal: ``out_j = f(a) + f'(a) d_j``.
 
     The decorated formula ``tangent(d, a, out, *args, **kwargs)`` returns ``f'(a) d`` (``out = f(a)``; the op's
     other arguments as in the call, ``inplace`` left out): for every tangent block at once, or with ``per_block`` one
     block of the primal's shape at a time, for torch's own backward kernels (``sigmoid_backward(d, out)`` is
-    ``d f'(a)`` in one fused kernel with its own double backward; some CPU kernels refuse to broadcast).
-    ``primal_op(a, *args, **kwargs)`` computes ``f(a)``: the first of ``funcs`` by default. The rule keeps a copy of
-    the primal block for backward, never a view of its input, so the in-place variants write over their input.
+    ``d f'(a)`` in one fused kernel with its own double backward; some CPU kernels refuse to broadcast). ``f(a)`` is
+    the first of ``funcs`` called on the primal block. The rule keeps a copy of the primal block for backward, never
+    a view of its input, so the in-place variants write over their input.
 
     Example::
 
@@ -135,7 +137,7 @@ def smooth(*funcs: Any, inplace: Iterable[Any] = (), per_block: bool = False, pr
             \"\"\"exp'(a) = exp(a)\"\"\"
             return out * d
     """
-    op = primal_op or next(iter(existing(funcs)), None)
+    op = next(iter(existing(funcs)), None)
 
     def deco(formula: Callable) -> Callable:
         def rule(input, *args, inplace=False, **kwargs):
@@ -147,7 +149,7 @@ def smooth(*funcs: Any, inplace: Iterable[Any] = (), per_block: bool = False, pr
                 t = formula(d, a, out_a, *args, **kwargs)
             return assemble(out_a, t)
 
-        return register_rule(*funcs, inplace=inplace, inplace_safe=True)(_named(rule, formula))
+        return register_rule(*funcs, inplace=inplace, inplace_safe=True)(_named(rule, formula, "smooth"))
 
     return deco
 
@@ -177,7 +179,7 @@ def slope(*funcs: Any, inplace: Iterable[Any] = (), identity_inside: bool = Fals
             out_a, q = formula(a, *args, **kwargs)
             return assemble(out_a, q * d)
 
-        return register_rule(*funcs, inplace=inplace, **options)(_named(rule, formula))
+        return register_rule(*funcs, inplace=inplace, **options)(_named(rule, formula, "slope"))
 
     return deco
 
@@ -265,9 +267,8 @@ def _weighted(func: Callable, args: tuple, kwargs: dict, batch_dims: int) -> Any
     if dw is None and db is None:
         return wrap(out, state=_with_state(x, w, b))
     x0 = primal(x)
-    t = [func(x0, torch.zeros_like(w0) if dw is None else dw[j], None if db is None else db[j], *rest, **kw)
-         for j in range(k - 1)]
-    t = t[0].unsqueeze(0) if k == 2 else torch.stack(t)
+    t = stacked([func(x0, torch.zeros_like(w0) if dw is None else dw[j], None if db is None else db[j], *rest, **kw)
+                 for j in range(k - 1)])
     out_a, blocks = split(out, differences=False)
     return wrap(assemble(out_a, blocks=blocks + t))
 
@@ -286,6 +287,7 @@ def _batched(batch_dims: int, weighted: bool) -> Callable:
             return per_block(func, args, kwargs)
         return wrap_tree(out, lambda t: wrap(t, state=x._jvp_state))
 
+    batched.__jvpreg_kind__ = "linear"
     return batched
 
 
@@ -334,6 +336,9 @@ def linear(*funcs: Any, batch_dims: int | None = None, weighted: bool = False, e
 def vmapped(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Every block through the op (``torch.vmap``): affine in the clone arguments for fixed indices and masks."""
     return per_block(func, args, kwargs)
+
+
+elementwise.__jvpreg_kind__ = elementwise_inplace.__jvpreg_kind__ = vmapped.__jvpreg_kind__ = "linear"
 
 
 # ---------------------------------------------------------------------------------------------------- bilinear
@@ -424,6 +429,7 @@ def bilinear(*funcs: Any, inplace: Iterable[Any] = (), elementwise_op: bool = Fa
             return elementwise_inplace(func, args, kwargs)
         return write_back(func, args[0], product(funcs[0], detached_target(args[:2], {}), {}))
 
+    product.__jvpreg_kind__ = product_in_place.__jvpreg_kind__ = "bilinear"
     register_handler(*funcs)(product)
     register_handler(*inplace)(product_in_place)
     return product
@@ -433,9 +439,10 @@ def bilinear(*funcs: Any, inplace: Iterable[Any] = (), elementwise_op: bool = Fa
 
 
 def _primal_call(func: Callable, args: tuple, kwargs: dict) -> Any:
-    a0 = tree_map(lambda t: raw(t)[0] if is_clone(t) else t, (args, kwargs))
+    """The op itself on the primal blocks of its clone arguments: a plain call."""
     with DisableTorchFunctionSubclass():
-        return func(*a0[0], **a0[1])
+        a0, k0 = tree_map(primal, (args, kwargs))
+        return func(*a0, **k0)
 
 
 def _fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -480,6 +487,7 @@ def composite(*funcs: Any, aliases: dict | None = None, check: Callable | None =
 
         handler.__doc__ = body.__doc__
         handler.__wrapped__ = body
+        body.__jvpreg_kind__ = "composite"
         return body
 
     return deco

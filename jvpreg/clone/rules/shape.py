@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_unflatten
 from jvpreg.clone.core import tensor as tensor_module
 from jvpreg.clone.core.errors import CaptureError, UnsupportedOpError
 from jvpreg.clone.core.registry import COMPLEX_EXACT, HANDLERS, maybe, op_name, register_handler, register_op
-from jvpreg.clone.core.tensor import METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, wrap, wrap_tree
+from jvpreg.clone.core.tensor import (METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, wrap,
+    wrap_tree)
 from jvpreg.clone.eager.dispatch import NOT_STATE, fallback, flat_clones, state_eval, state_write
 from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse
 from jvpreg.clone.rules.blocks import as_batch, assemble, count, primal, split
