@@ -221,7 +221,7 @@ def _claim(out: CloneTensor, phys: torch.Tensor) -> None:
 
     A clone is an autograd alias of its physical batch, so autograd takes every clone for a view. The owner stands
     for the op's own result, a tensor of its own (``._base`` is ``None``; its gradient hooks go on the base, where
-    they survive an in-place update: :mod:`jvpreg.clone.rules.structural`); a later clone over the same base (a view op
+    they survive an in-place update: :mod:`jvpreg.clone.rules.shape`); a later clone over the same base (a view op
     on the owner, ``x.view(-1)``) is a view of it, as the plain op's result is. Called with the subclass' torch
     function off."""
     base = phys._base

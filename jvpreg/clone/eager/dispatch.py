@@ -172,7 +172,7 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
                 name = op_name(func)
                 raise UnsupportedOpError(
                     f"jvpreg clone mode has no rule for the tensor attribute {name}. Register one with "
-                    f"`jvpreg.clone.register_handler({name.split(' ')[0]}.__get__)`; see jvpreg/clone/rules/structural.py "
+                    f"`jvpreg.clone.register_handler({name.split(' ')[0]}.__get__)`; see jvpreg/clone/rules/shape.py "
                     "(`.real`, `.H`) for examples.")
             return out
         return generic(func, args, kwargs)

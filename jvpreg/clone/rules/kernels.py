@@ -52,7 +52,7 @@ _threshold_backward = torch.ops.aten.threshold_backward.default
 
 # The operators' own Python functions, and the same forward, setup and backward as a plain ``autograd.Function``:
 # :mod:`jvpreg.clone.program.replay` calls that one, skipping the custom-operator machinery (Python dispatch, schema
-# checks), which cost 30-40 µs a call and up to 250 µs on a 1M-entry ``relu_blocks`` on this CPU.
+# checks), whose cost per call grows with the operator's inputs (experiments/results/rules_measurements.md).
 _IMPLS: Dict[Any, Tuple[str, Callable]] = {}
 DIRECT: Dict[torch._ops.OpOverload, Callable] = {}
 
@@ -104,11 +104,10 @@ def applies(t: torch.Tensor) -> bool:
     on a plain or clone tensor (not a DTensor: no sharding rule).
 
     In programs for ``engine="compiled"`` on the CPU too, where Inductor calls them as opaque kernels: its C++
-    code stores a bool mask 10-20x slower than ATen on this (AVX-512) CPU (relu(h) and h <= 0 of 128x200: 215 µs
-    compiled, 12 µs eager), and the compiled engine's ResNet-18 training step (train-mode BatchNorm, batch 32)
-    took 120 ms with the operators and 143 ms with Inductor's fusion of the decomposed rules (the 4-layer ViT
-    was unchanged within noise). On other devices a compiled program leaves the decomposed rules to Inductor's
-    fusion (not measured here: no GPU)."""
+    code stores a bool mask much slower than ATen on an AVX-512 CPU, and a compiled ResNet-18 training step was
+    faster with the operators than with Inductor's fusion of the decomposed rules
+    (experiments/results/rules_measurements.md). On other devices a compiled program leaves the decomposed rules to
+    Inductor's fusion (not measured: no GPU)."""
 
     return (torch.is_grad_enabled() and t.requires_grad and type(t) in (torch.Tensor, CloneTensor)
             and not inside_transform() and (on_host(t) or not compiling()))
@@ -120,7 +119,7 @@ def relu_blocks(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     a = z[0]
     out = _threshold_backward(z, a.expand_as(z), 0)
     # relu(a) with NaN kept is nonzero exactly where not (a <= 0): a cast to bool (vectorised; comparisons that
-    # make bools run 7-9x slower on the CPU)
+    # make bools run slower on the CPU)
     return out, out[0].to(torch.bool)
 
 
@@ -144,8 +143,8 @@ def _backward(ctx, grad, _grad_keep):
 
 def masked_by(grad: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``keep * grad`` by relu's backward kernel (0 where not kept, whatever ``grad`` holds there). The bool pattern
-    is cast through a uint8 view (7x faster on the CPU), except where a compiled backward is traced (on fake tensors:
-    Inductor fuses the cast, and torch 2.11's cannot lower a bool -> uint8 view)."""
+    is cast through a uint8 view (faster on the CPU than a cast of the bools), except where a compiled backward is
+    traced (on fake tensors: Inductor fuses the cast, and torch 2.11's cannot lower a bool -> uint8 view)."""
     traced = torch._subclasses.fake_tensor.is_fake(grad)
     keep = keep.to(grad.dtype) if traced else keep.view(torch.uint8).to(grad.dtype)
     return _threshold_backward(grad, keep.expand_as(grad), 0)
@@ -306,10 +305,10 @@ def _ln_tangent_backward(ctx, grad):
 
     (``L = r <G, P(d_j)>`` per row; ``r`` and ``xhat`` are the functions of ``a`` that carry its derivative: two
     LayerNorm backward kernels, three row dot products scaled in one ``(3, rows)`` product and three passes over
-    the rows per tangent: 1.2x faster on this CPU than the form expanded in ``d``, ``g``, ``xhat`` with ~15 kernels
-    fewer on a GPU). Under ``create_graph``: autograd of the tangent's primitive-op form with statistics recomputed
-    from ``a`` (exact at every order; torch's double backward of ``native_layer_norm_backward`` holds the statistics
-    fixed in its own derivative)."""
+    the rows per tangent: faster than the form expanded in ``d``, ``g``, ``xhat``, and fewer kernels on a GPU). Under
+    ``create_graph``: autograd of the tangent's primitive-op form with statistics recomputed from ``a`` (exact at
+    every order; torch's double backward of ``native_layer_norm_backward`` holds the statistics fixed in its own
+    derivative)."""
     if grad is None:
         return None, None, None, None, None, None, None
     d, a, weight, mean, rstd = ctx.saved_tensors
@@ -397,7 +396,7 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     ds = None
     if dq is not None and dk is not None and k.shape[-2] > 2 * q.shape[-1]:
         # long keys: the scale on the L x E side and one product for both terms, no L x S pass but the product's
-        # (0.8x the step of a ViT with 257 tokens; with few keys the two concatenations cost more than they save)
+        # (with few keys the two concatenations cost more than they save)
         left = torch.cat([dq, q.expand_as(dq)], -1) * sc
         ds = left @ torch.cat([k.expand_as(dk), dk], -1).transpose(-2, -1)
     else:
@@ -425,17 +424,14 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
 
 # Entries of one block's P from which the rule runs the recomputing operator: 0, every attention under autograd, so
-# that the rule keeps what fused attention keeps (its inputs), not three L x S tensors. Measured on this CPU (regularized
-# training step of a 4-layer ViT, dim 64, captured engine, interleaved medians): 257 tokens at batch 8, 0.89x the step
-# time of the composite, which keeps P, dS, dP (an earlier engine had it 1.3x); 65 tokens at batch 32, 1.00x; 17 tokens
-# at batch 32 (P small beside the L x E activations), 1.09x, with 1.99x the plain step's saved-for-backward bytes
-# instead of 2.22x (the plain step on the doubled batch: 2.00x). Raise it (``float("inf")``: never) to trade that
-# memory for the 9% where sequences are short.
+# that the rule keeps what fused attention keeps (its inputs), not three L x S tensors: faster where P is large, about
+# as fast at moderate lengths, a little slower where sequences are short and P is small beside the L x E activations
+# (experiments/results/bench_train_cpu_attention_recomputed.md, rules_measurements.md). Raise it
+# (``float("inf")``: never) to trade that memory for the time where sequences are short.
 ATTENTION_RECOMPUTE_NUMEL = 0
 # The same in programs for ``engine="compiled"``, where Inductor fuses the composite (and its partitioner chooses what
-# to keep): 2^24 (64 MiB of float32 per L x S tensor). The 17-token ViT's compiled step took 1.08x the time with the
-# operator at every size; the 257-token ViT's at batch 8 (2^21 entries of P) 1.2x (220-227 against 180-185 ms, `bench
-# train`, two fresh processes each) for a live-tensor peak of 139 MiB instead of 225 MiB (lower it to trade the time).
+# to keep): 2^24. There the operator costs time at every size, for a lower
+# live-tensor peak (experiments/results/rules_measurements.md): lower it to trade the time for that memory.
 COMPILED_ATTENTION_RECOMPUTE_NUMEL = 1 << 24
 
 
@@ -448,7 +444,7 @@ def attention_recomputed(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> b
         return False
     n = q.shape[-2] * k.shape[-2]
     for a, b in itertools.zip_longest(reversed(q.shape[:-2]), reversed(k.shape[:-2]), fillvalue=1):
-        n *= max(a, b)  # the broadcast batch dims (torch.broadcast_shapes takes ~0.2 ms a call)
+        n *= max(a, b)  # the broadcast batch dims (torch.broadcast_shapes is slow for a check per call)
     return n >= (COMPILED_ATTENTION_RECOMPUTE_NUMEL if compiling() else ATTENTION_RECOMPUTE_NUMEL) and applies(x)
 
 
@@ -479,13 +475,12 @@ def _keep_attention_inputs(ctx, inputs, output):
 
 # Entries of one block's P that the recomputing operator's backward differentiates at once on the CPU: above it the
 # backward runs over chunks of the leading batch dim, so that the L x S tensors it recomputes (P, dS, dP for every
-# block, and their gradients) live for one chunk at a time. Measured on this CPU (regularized step of a 4-layer ViT
-# with 257 tokens at batch 8, 1 thread): live-tensor peak 146 -> 84 MiB (plain step on the doubled batch: 54 MiB), RSS
-# peak 266 -> 168 MiB; step time 232-263 ms against 315-348 ms (`bench train --methods plain_2b,clone`, fresh
-# processes; plain 2B 119-125 ms): smaller temporaries. ``float("inf")``: the whole batch at once.
+# block, and their gradients) live for one chunk at a time: a lower live-tensor peak, and smaller temporaries make the
+# step faster too (experiments/results/bench_train_cpu_attention_chunked.md). ``float("inf")``: the whole batch at
+# once.
 ATTENTION_BACKWARD_CHUNK_NUMEL = 1 << 20
-# The same on accelerators, where each chunk launches the backward's kernels again (~40): 2^24 (64 MiB of float32
-# per L x S tensor; a ViT-B/16 at batch 32 runs in one chunk, at batch 128 in four).
+# The same on accelerators, where each chunk launches the backward's kernels again: 2^24 (a ViT-B/16 at batch 32 runs
+# in one chunk, at batch 128 in four).
 ACCELERATOR_ATTENTION_BACKWARD_CHUNK_NUMEL = 1 << 24
 _BLOCKED = (3, 4, 5)  # blocks, dq, dk: (K or K-1, *batch, L, E); q, k, v, mask: (*batch, L, E)
 
@@ -530,8 +525,8 @@ def _block_sum(x: torch.Tensor) -> torch.Tensor:
 
 def _attention_grads(q, k, v, blocks, dq, dk, mask, sc, causal, kk, g, wanted):
     """First-order gradients of ``L = sum_j <g_j, out_j>`` for :func:`_attention`'s inputs numbered in ``wanted``,
-    written out (no graph): 39 kernels for a ViT's self-attention with a transposed output gradient where autograd of
-    the recomputed attention launched 50, and 0.88x the time of a small ViT's regularized step on this CPU.
+    written out (no graph): fewer kernels than autograd of the recomputed attention launches, and a faster step
+    (experiments/results/bench_train_cpu_attention_written_out.md).
     With ``out_0 = P z_0``, ``out_j = P z_j + dP_j v`` (``z_j`` the value blocks, or ``v``), ``dP_j = P (dS_j -
     c_j)``, ``c_j = rowsum(P dS_j)``, ``H_j = g_j v^T``, ``r_j = rowsum(P H_j)``:
 

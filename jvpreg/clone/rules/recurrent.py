@@ -284,7 +284,7 @@ def _gru_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
 def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """The RNN, LSTM and GRU written directly on the physical blocks (:func:`_elman_step`, :func:`_lstm_step`,
     :func:`_gru_step`): the cell equations with hand-written tangents instead of one clone rule per op and step
-    (the per-step dispatch made the op-by-op path 3-4x a fused forward for the RNN, 10-20x for the LSTM)."""
+    (the per-step dispatch of every op made the op-by-op path many times a fused forward)."""
     x = raw(input)  # (K, *logical)
     k = x.shape[0]
     if batch_first:
