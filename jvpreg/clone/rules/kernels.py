@@ -44,8 +44,9 @@ from jvpreg.clone.core.device_paths import on_host
 from jvpreg.clone.core.tensor import CloneTensor, compiling
 from jvpreg.clone.rules.blocks import assemble, each_block, stacked
 
-__all__ = ["applies", "relu_blocks", "group_norm_tangent", "attention_blocks", "attention_probs",
-           "attention_recomputed", "layer_norm_tangent", "linearised_attention"]
+__all__ = ["DIRECT", "applies", "attention_blocks", "attention_probs", "attention_recomputed", "custom_operator",
+           "fake_tangent_and_sums", "group_norm_tangent", "inside_transform", "keeping_inputs", "layer_norm_tangent",
+           "linearised_attention", "masked_by", "register_autograd", "relu_blocks"]
 
 _threshold_backward = torch.ops.aten.threshold_backward.default
 
