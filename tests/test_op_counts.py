@@ -46,7 +46,7 @@ def test_a_regularized_batch_norm_block_launches_at_most_31_kernels_more_than_th
     regularized step (captured) beyond what it adds to the plain step on the doubled batch (19 kernels: forward,
     backward, SGD). 61 before the backward's per-channel coefficients were shared (36 small kernels, then 18); 45
     before the accelerator's backward took the form with a third BatchNorm kernel and 6 small ones
-    (:func:`jvpreg.clone.rules.kernels.few_launches`)."""
+    (:func:`jvpreg.clone.rules.batch_norm.few_launches`)."""
     ops = load_script("op_counts")
     added = {}
     for method in ("plain_2b", "clone"):

@@ -1,8 +1,8 @@
 """The clone-mode engine: exact JVPs of unmodified PyTorch programs in one concatenated batch.
 
 Layout: ``tensor`` (the K-block batch type), ``registry`` (the one rule registry), ``dispatch``
-(routing and the exact fallback), ``structural`` (affine/shape fast paths), ``rules/`` (one
-module per family of nonlinear ops), ``functions`` (custom autograd.Functions), ``checkpointing``
+(routing and the exact fallback), ``rules/`` (one module per family of ops, registered by kind; shape and affine
+fast paths), ``functions`` (custom autograd.Functions), ``checkpointing``
 (``torch.utils.checkpoint`` regions recomputed in clone mode), ``api``
 (``jvp``, ``jvp_params``, ``pack``/``call``/``unpack``, and the pieces the losses share:
 ``scales``, ``clone_of``, ``swapped_tensors``),
@@ -10,7 +10,6 @@ module per family of nonlinear ops), ``functions`` (custom autograd.Functions), 
 ``capture`` (the captured and compiled engines), ``device_paths``
 (the host's path or an accelerator's, and :func:`~jvpreg.clone.core.device_paths.accelerator_path` to test the latter).
 """
-from jvpreg.clone.rules import structural  # noqa: F401  (registers the fast paths)
 from jvpreg.clone import rules  # noqa: F401  (registers the rules)
 from jvpreg.clone.eager import checkpointing  # noqa: F401  (registers the reentrant checkpoint's rule)
 from jvpreg.clone.api import (call, choose_scales, clone_of, jvp, jvp_params, pack, primal_of, scales,

@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import jvpreg
 from jvpreg.clone.program import capture
-from jvpreg.clone.rules import kernels
+from jvpreg.clone.rules import batch_norm
 from jvpreg.clone.core.device_paths import accelerator_path, on_host
 from jvpreg.losses import JacobianFrobenius, ParameterSensitivity, Stack, regularized_forward
 
@@ -93,8 +93,8 @@ def test_cpu_tensors_take_the_accelerator_path_only_inside_it():
     t = torch.zeros(1)
     assert on_host(t) and not on_host(t.to("meta"))
     with accelerator_path():
-        assert not on_host(t) and kernels.few_launches(t)
-    assert on_host(t) and not kernels.few_launches(t)
+        assert not on_host(t) and batch_norm.few_launches(t)
+    assert on_host(t) and not batch_norm.few_launches(t)
 
 
 @dataclasses.dataclass

@@ -847,7 +847,7 @@ def test_an_alias_the_tracer_cannot_see_is_refused_not_baked_as_a_constant(monke
     replay the capturing call's values forever: the capture refuses it and eager clone mode runs (exact)."""
     from torch._C import DisableTorchFunctionSubclass
 
-    import jvpreg.clone.rules.normalization as norm
+    import jvpreg.clone.rules.batch_norm as norm
 
     def invisible_alias(t):
         with DisableTorchFunctionSubclass():

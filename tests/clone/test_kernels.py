@@ -1,4 +1,5 @@
-"""The operators of :mod:`jvpreg.clone.rules.kernels`: values and written-out backwards against autograd in float64."""
+"""The operators of :mod:`jvpreg.clone.rules.kernels` and :mod:`jvpreg.clone.rules.batch_norm`: values and written-out
+backwards against autograd in float64."""
 from __future__ import annotations
 
 import copy
@@ -7,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from jvpreg.clone.rules import kernels
+from jvpreg.clone.rules import batch_norm, kernels
 
 D = torch.float64
 EPS = 1e-5
@@ -24,10 +25,10 @@ def _cuda_bn_backward(grad, x, weight, *rest):
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu-kernel", "cuda-kernel-contract"])
 def bn_kernel(request, monkeypatch):
     """Run a test with torch's BatchNorm backward kernel as this CPU has it, and as CUDA's behaves, with the
-    backward's form each device takes (:func:`jvpreg.clone.rules.kernels.few_launches`)."""
+    backward's form each device takes (:func:`jvpreg.clone.rules.batch_norm.few_launches`)."""
     if request.param == "cuda":
-        monkeypatch.setattr(kernels, "_bn_backward", _cuda_bn_backward)
-        monkeypatch.setattr(kernels, "few_launches", lambda t: True)
+        monkeypatch.setattr(batch_norm, "_bn_backward", _cuda_bn_backward)
+        monkeypatch.setattr(batch_norm, "few_launches", lambda t: True)
     return request.param
 
 
@@ -40,7 +41,7 @@ def _stats(a):
 def _bn_tangent(d, a, w):
     """The op with the statistics of ``a`` recomputed from it (so gradcheck's perturbations of ``a`` move them)."""
     mean, invstd = (s.detach() for s in _stats(a))
-    return kernels.batch_norm_tangent(d, a, w, mean, invstd, EPS)[0]
+    return batch_norm.batch_norm_tangent(d, a, w, mean, invstd, EPS)[0]
 
 
 def _bn_tangent_composite(d, a, w):
@@ -120,12 +121,12 @@ def test_batch_norm_blocks_values_and_gradients(shape, blocks, affine, bn_kernel
         return lambda *args: op(args[0], *(args[1:] if affine else (None, None)), None, None, 0.1, EPS)[0]
 
     ref = lambda *args: _clone_bn_composite(args[0], *(args[1:] if affine else (None, None)))  # noqa: E731
-    torch.testing.assert_close(through(kernels.batch_norm_blocks)(*inputs), ref(*inputs), rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(through(kernels.batch_norm_blocks), inputs)
+    torch.testing.assert_close(through(batch_norm.batch_norm_blocks)(*inputs), ref(*inputs), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(through(batch_norm.batch_norm_blocks), inputs)
     g = torch.randn(blocks, *shape, dtype=D)
     want = torch.autograd.grad(ref(*inputs), inputs, g)
-    for fn, create_graph in ((through(kernels.batch_norm_blocks), False), (through(direct), False),
-                             (through(kernels.batch_norm_blocks), True)):
+    for fn, create_graph in ((through(batch_norm.batch_norm_blocks), False), (through(direct), False),
+                             (through(batch_norm.batch_norm_blocks), True)):
         got = torch.autograd.grad(fn(*inputs), inputs, g, create_graph=create_graph)
         assert all(x.requires_grad for x in got) == create_graph
         for x, y in zip(got, want):
@@ -148,7 +149,7 @@ def test_batch_norm_blocks_primal_and_running_statistics_are_the_plain_forwards(
     want = plain(a)
     z = torch.stack([a, a + torch.randn_like(a)]) if layout != "transposed-tokens" else \
         torch.stack([a.transpose(1, 2), torch.randn(4, 49, 16)]).transpose(2, 3)
-    out, _, _, _, _, new_mean, new_var = kernels.batch_norm_blocks(z, bn.weight, bn.bias, bn.running_mean,
+    out, _, _, _, _, new_mean, new_var = batch_norm.batch_norm_blocks(z, bn.weight, bn.bias, bn.running_mean,
                                                                    bn.running_var, 0.1, bn.eps)
     assert torch.equal(out[0], want)
     assert torch.equal(new_mean, plain.running_mean) and torch.equal(new_var, plain.running_var)
@@ -163,8 +164,8 @@ def test_batch_norm_relu_blocks_equals_the_two_operators():
     z[:, 0, 0, 0, 0] = float("nan")  # a NaN in one channel: that channel's statistics and outputs are NaN
     z.requires_grad_()
     w, b = torch.randn(3, dtype=D, requires_grad=True), torch.randn(3, dtype=D, requires_grad=True)
-    fused = kernels.batch_norm_relu_blocks(z, w, b, None, None, 0.1, EPS)
-    bn = kernels.batch_norm_blocks(z, w, b, None, None, 0.1, EPS)[0]
+    fused = batch_norm.batch_norm_relu_blocks(z, w, b, None, None, 0.1, EPS)
+    bn = batch_norm.batch_norm_blocks(z, w, b, None, None, 0.1, EPS)[0]
     two = kernels.relu_blocks(bn)
     torch.testing.assert_close(fused[0], two[0], rtol=0, atol=0, equal_nan=True)
     assert torch.equal(fused[1], two[1])
@@ -172,7 +173,7 @@ def test_batch_norm_relu_blocks_equals_the_two_operators():
     for x, y in zip(torch.autograd.grad(fused[0], (z, w, b), g), torch.autograd.grad(two[0], (z, w, b), g)):
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
     finite = torch.randn(2, 6, 3, 4, 4, dtype=D, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: kernels.batch_norm_relu_blocks(t, w, b, None, None, 0.1, EPS)[0],
+    assert torch.autograd.gradcheck(lambda t: batch_norm.batch_norm_relu_blocks(t, w, b, None, None, 0.1, EPS)[0],
                                     (finite,))
 
 

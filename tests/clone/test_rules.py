@@ -1017,3 +1017,60 @@ def test_self_attention_takes_the_lean_path_and_other_calls_torchs_decomposition
         jvpreg.jvp(lambda z: F.multi_head_attention_forward(
             z, z, z, 5, 2, a.in_proj_weight, a.in_proj_bias, None, None, False, 0.0, a.out_proj.weight,
             a.out_proj.bias, need_weights=False)[0], (x.transpose(0, 1).float(),), (u.transpose(0, 1).float(),))
+
+
+# ----------------------------------------------------------------------------- rules of your own, by kind
+
+
+@torch.library.custom_op("jvpreg_kinds_test::soft_threshold", mutates_args=())
+def _soft_threshold(x: torch.Tensor, lam: float) -> torch.Tensor:
+    return x.sign() * (x.abs() - lam).clamp_min(0)
+
+
+@torch.library.custom_op("jvpreg_kinds_test::softsign", mutates_args=())
+def _softsign(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + x.abs())
+
+
+@pytest.mark.parametrize("engine", ["eager", "captured"])
+def test_the_documented_kind_helpers_register_rules_of_your_own(engine):
+    """docs/engine.md's example (and rules/kinds.py's): a piecewise-affine op through ``kinds.slope`` (slope 0 at the
+    kink |a| = lam, as written) and a smooth one through ``kinds.smooth``, exact without a fallback; registered and
+    removed again."""
+    from jvpreg.clone.core.registry import HANDLERS
+    from jvpreg.clone.rules import kinds
+
+    st, ss = torch.ops.jvpreg_kinds_test.soft_threshold.default, torch.ops.jvpreg_kinds_test.softsign.default
+
+    @kinds.slope(st)
+    def soft_threshold(a, lam):
+        keep = a.abs() > lam
+        return st(a, lam), keep.to(a.dtype)
+
+    @kinds.smooth(ss)
+    def softsign(d, a, out):
+        return d / (1 + a.abs()) ** 2
+
+    x = with_kinks(0.5, -0.5)((4, 6))
+    u = torch.randn(4, 6, dtype=D)
+
+    class Model(nn.Module):
+        def forward(self, h):
+            return ss(st(h, 0.5)) * 2
+
+    model = Model()
+    try:
+        with fallback_mode("error"):
+            y, t = jvpreg.jvp(model, (x,), (u,), engine=engine)
+            y, t = jvpreg.jvp(model, (x,), (u,), engine=engine)  # the captured engine replays its program
+        if engine == "captured":
+            from jvpreg.clone.program import capture
+
+            assert len(capture.programs(model)) == 1
+    finally:
+        for op in (st, ss):
+            HANDLERS.pop(op)
+    h = _soft_threshold(x, 0.5)
+    torch.testing.assert_close(y, 2 * _softsign(h), rtol=1e-12, atol=0)
+    dh = (x.abs() > 0.5) * u
+    torch.testing.assert_close(t, 2 * dh / (1 + h.abs()) ** 2, rtol=1e-10, atol=1e-12)

@@ -6,7 +6,7 @@ non-finite fixes), whether a difference of blocks holds a NaN; and it runs jvpre
 BatchNorm written into one output). On an accelerator every read would wait for the device, so the scales are
 kernels inside the program, the non-finite fixes stay wherever an infinity can reach them
 (:mod:`jvpreg.clone.program.passes`), BatchNorm's primal block takes the device's own kernel and its tangent's backward
-the form with fewer, larger kernels (:func:`jvpreg.clone.rules.kernels.few_launches`).
+the form with fewer, larger kernels (:func:`jvpreg.clone.rules.batch_norm.few_launches`).
 
 :func:`accelerator_path` makes CPU tensors take the accelerator's path, so that its exactness can be checked in
 float64 on a machine without one (``tests/clone/test_accelerator_path.py``, ``scripts/model_zoo_sweep.py``):

@@ -64,9 +64,9 @@ REENTRANT: set = set()  # handlers that run with torch-function enabled (decompo
 COMPLEX_EXACT: set = set()
 #: ops whose handler is affine in a single varying argument, complex or real (``mul``: ``c * z``)
 COMPLEX_AFFINE: set = set()
-#: modules whose handlers are affine in a single varying argument (shape ops, indexing, sums, per-block ops, FFTs,
-#: convolutions): exact on one complex clone argument
-COMPLEX_AFFINE_MODULES = frozenset({"jvpreg.clone.rules.structural"})
+#: modules whose handlers are affine in a single varying argument (shape ops, indexing, sums, fills): exact on one
+#: complex clone argument (the ops registered by :func:`jvpreg.clone.rules.kinds.linear` are in :data:`COMPLEX_AFFINE`)
+COMPLEX_AFFINE_MODULES = frozenset({"jvpreg.clone.rules.shape", "jvpreg.clone.rules.linear"})
 
 
 def op_name(func: Any) -> str:

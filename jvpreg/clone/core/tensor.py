@@ -41,7 +41,7 @@ class CloneTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if not _ACTIVE[0]:
-            if func in _METADATA:  # the physical batch's, as autograd saw it inside a rule
+            if func in METADATA:  # the physical batch's, as autograd saw it inside a rule
                 with DisableTorchFunctionSubclass():
                     return func(*args, **(kwargs or {}))
             if torch._guards.TracingContext.try_get() is not None:  # Dynamo wrapping a clone batch as a graph input
@@ -76,7 +76,7 @@ class CloneTensor(torch.Tensor):
 CloneTensor.__module__ = "torch"
 
 _DISPATCH: list = [None]  # set by jvpreg.clone.eager.dispatch (which imports this module)
-_METADATA: set = set()  # getters of metadata (shape, dtype, ...) answered outside a clone forward too, for the
+METADATA: set = set()  # getters of metadata (shape, dtype, ...) answered outside a clone forward too, for the
 # physical batch: a clone that autograd saved inside a rule (subclass dispatch off) reads so there, and
 # torch.utils.checkpoint compares those reads with the same reads after its recomputation
 _ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.eager.functions.active)
@@ -221,7 +221,7 @@ def _claim(out: CloneTensor, phys: torch.Tensor) -> None:
 
     A clone is an autograd alias of its physical batch, so autograd takes every clone for a view. The owner stands
     for the op's own result, a tensor of its own (``._base`` is ``None``; its gradient hooks go on the base, where
-    they survive an in-place update: :mod:`jvpreg.clone.rules.structural`); a later clone over the same base (a view op
+    they survive an in-place update: :mod:`jvpreg.clone.rules.shape`); a later clone over the same base (a view op
     on the owner, ``x.view(-1)``) is a view of it, as the plain op's result is. Called with the subclass' torch
     function off."""
     base = phys._base

@@ -172,7 +172,7 @@ def dispatch(func: Callable, args: tuple, kwargs: dict) -> Any:
                 name = op_name(func)
                 raise UnsupportedOpError(
                     f"jvpreg clone mode has no rule for the tensor attribute {name}. Register one with "
-                    f"`jvpreg.clone.register_handler({name.split(' ')[0]}.__get__)`; see jvpreg/clone/rules/structural.py "
+                    f"`jvpreg.clone.register_handler({name.split(' ')[0]}.__get__)`; see jvpreg/clone/rules/shape.py "
                     "(`.real`, `.H`) for examples.")
             return out
         return generic(func, args, kwargs)
@@ -223,7 +223,7 @@ def _empty_input(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``func`` whose first (batch) argument has no elements: nothing of the output can depend on it, so
     the op runs once on the primal blocks and every block repeats it (zero tangent); other varying
     clone arguments (a weight) still get their exact tangents through the fallback."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     if all(flat[i]._jvp_state or flat[i].numel() == 0 or not _is_float(flat[i]) for i in idx):
         return state_eval(func, args, kwargs)
     handler = HANDLERS.get(func)
@@ -266,7 +266,8 @@ def decomposition(func: Callable) -> Callable | None:
 tensor_module._DISPATCH[0] = dispatch
 
 
-def _flat_clones(args: tuple, kwargs: dict):
+def flat_clones(args: tuple, kwargs: dict):
+    """``(flat, spec, idx)``: the call's arguments as pytree leaves, their spec, and the positions of the clones."""
     flat, spec = tree_flatten((args, kwargs))
     idx = [i for i, v in enumerate(flat) if type(v) is CloneTensor]
     return flat, spec, idx
@@ -304,7 +305,7 @@ def generic_inplace(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def generic(func: Callable, args: tuple, kwargs: dict) -> Any:
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     if all(flat[i]._jvp_state for i in idx):
         return state_eval(func, args, kwargs)
     return fallback(func, args, kwargs)
@@ -319,7 +320,7 @@ def block0_args(flat: list, spec, idx: list) -> tuple:
 
 def state_eval(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Evaluate on block 0 and repeat the result in every block (zero tangent)."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     k = flat[idx[0]].shape[0]
     a_args, a_kwargs = block0_args(flat, spec, idx)
     out = func(*a_args, **a_kwargs)
@@ -331,7 +332,7 @@ def state_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     block: detached batch data, a statistic of it): the op on the primal blocks, written as a plain forward writes it
     (``self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))``); :data:`NOT_STATE` where a clone operand carries a
     tangent, which a plain tensor cannot hold."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     if not all(flat[i]._jvp_state for i in idx):
         return NOT_STATE
     a_args, a_kwargs = block0_args(flat, spec, idx)
@@ -345,7 +346,7 @@ def per_block(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Apply an op that is affine in its clone arguments to every block (``torch.vmap``). A mask or index that is a
     clone (state: the same in every block) enters as its primal block, unbatched: ops whose output shape depends
     on a mask's values (``masked_select``) cannot be vmapped over it, and need not be."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
     fixed = [i for i in idx if flat[i]._jvp_state and not _is_float(flat[i])]
     if fixed and len(fixed) < len(idx):
@@ -516,7 +517,7 @@ def _load_forward_ad() -> None:
 def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Exact per-op linearisation at block 0 with ``torch.func.jvp``, or in reverse mode (two backward passes)
     where torch has no forward-mode formula for the op or a wrong one (see module docstring)."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     name = op_name(func)
     k = flat[idx[0]].shape[0]
     diff = [i for i in idx if _is_float(flat[i]) and not flat[i]._jvp_state]

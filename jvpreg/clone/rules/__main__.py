@@ -10,24 +10,26 @@ from jvpreg.clone.core.registry import HANDLERS, REENTRANT, op_name, rule_for
 def registry_rows() -> list:
     """``(op name, rule name, module, kind)`` for every registered torch function, sorted by op name.
 
-    ``kind``: ``rule`` (a rule module under ``jvpreg/clone/rules``), ``structural`` (affine/shape fast
-    path), ``state`` (piecewise-constant output, evaluated on the primal), ``query`` or ``engine``.
+    ``kind``: the kind a rule was registered as (:mod:`jvpreg.clone.rules.kinds`: ``smooth``, ``slope``, ``linear``,
+    ``bilinear``, ``composite``, ``state``, or ``rule`` for any other rule on blocks), ``shape`` (a shape, indexing or
+    whole-tensor fast path), ``query`` (answered on the primal) or ``engine`` (bookkeeping outside the rules).
     """
     rows = {}
     for func in list(HANDLERS):
         fn = rule_for(func)
         mod = getattr(fn, "__module__", "?") or "?"
         name = getattr(fn, "__name__", repr(fn))
+        kind = getattr(fn, "__jvpreg_kind__", None)
         if name == "state_eval":
             kind = "state"
-        elif mod.startswith("jvpreg.clone.rules."):
-            kind = "rule"
-        elif name == "_query" or name.endswith("_query"):
+        elif kind is None and name == "_query":
             kind = "query"
-        elif mod == "jvpreg.clone.rules.structural":
-            kind = "structural"
-        else:
-            kind = "engine"
+        elif kind is None and mod == "jvpreg.clone.rules.shape":
+            kind = "shape"
+        elif kind is None and mod == "jvpreg.clone.rules.linear":
+            kind = "linear"
+        elif kind is None:
+            kind = "rule" if mod.startswith("jvpreg.clone.rules.") else "engine"
         if func in REENTRANT:
             name += " (composed)"
         rows[op_name(func)] = (op_name(func), name, mod, kind)

@@ -1,7 +1,7 @@
 """Ops linearised through a composition of ops that have rules (losses, logsumexp, norms, sort/topk).
 
-``def_composite(op, body)``: the primal block is ``op`` itself on the primal blocks (bit-identical to a plain
-call), the tangent blocks are those of ``body`` run on the clone batch, where every op goes through its own
+:func:`jvpreg.clone.rules.kinds.composite`: the primal block is ``op`` itself on the primal blocks (bit-identical to
+a plain call), the tangent blocks are those of ``body`` run on the clone batch, where every op goes through its own
 rule: ``out_j = op(a) + (body(z)_j - body(z)_0)``. ``body`` only has to be a correct formula of ``op``; its
 exactness comes from the rules it uses. Conventions where the formula is not smooth follow torch's forward
 AD: vector 2-norm at 0 has tangent 0; sort/topk values are gathered at the primal's indices (ties: the
@@ -12,72 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jvpreg.clone.eager.dispatch import fallback, per_block
-from jvpreg.clone.core.registry import register_op
-from jvpreg.clone.core.tensor import block_delta, is_clone, stack_blocks, tile, wrap
+from torch._C import DisableTorchFunctionSubclass
+
+from jvpreg.clone.core.tensor import wrap
+from jvpreg.clone.rules.blocks import assemble, count, primal
+from jvpreg.clone.rules.kinds import composite, linear
 
 T = torch.Tensor
-
-
-def _primal_call(func, args, kwargs):
-    from torch.utils._pytree import tree_map
-
-    a0 = tree_map(lambda t: t.as_subclass(torch.Tensor)[0] if is_clone(t) else t, (args, kwargs))
-    from torch._C import DisableTorchFunctionSubclass
-
-    with DisableTorchFunctionSubclass():
-        return func(*a0[0], **a0[1])
-
-
-def _fallback(func, args, kwargs):
-    from torch._C import DisableTorchFunctionSubclass
-
-    with DisableTorchFunctionSubclass():
-        return fallback(func, args, kwargs)
-
-
-def _combine(out_a, body_out):
-    """``[out_a; out_a + (body_j - body_0)]`` as a clone (tangent blocks of ``body``, primal of the op)."""
-    from torch._C import DisableTorchFunctionSubclass
-
-    with DisableTorchFunctionSubclass():
-        p = body_out.as_subclass(torch.Tensor)
-        return wrap(stack_blocks(out_a, out_a + block_delta(p[1:], p[0])))
-
-
-def def_composite(*funcs, aliases=None, check=None):
-    """Register ``body(input, ...)`` (called like the op, on clones) as the linearisation of ``funcs``;
-    ``check(out_a, out)``, if given, sees the op's primal output and the body's clone output before they combine."""
-
-    def deco(body):
-        @register_op(*funcs, aliases=aliases, reentrant=True)
-        def handler(func, *args, **kwargs):
-            if not any(is_clone(t) and not t._jvp_state for t in list(args) + list(kwargs.values())):
-                return _fallback(func, args, kwargs)
-            out_a = _primal_call(func, args, kwargs)
-            out = body(*args, **kwargs)
-            if out is NotImplemented:
-                return _fallback(func, args, kwargs)
-            if check is not None:
-                check(out_a, out)
-            if isinstance(out, tuple):  # (var, mean) or (values, indices): indices are the primal's
-                parts = tuple(_combine(a, b) if is_clone(b) and b.is_floating_point() else b
-                              for a, b in zip(out_a, out))
-                return type(out_a)(parts)
-            return _combine(out_a, out)
-
-        handler.__doc__ = body.__doc__
-        handler.__wrapped__ = body
-        return body
-
-    return deco
 
 
 def _reduce(loss, reduction):
     return {0: lambda l: l, 1: torch.mean, 2: torch.sum}[reduction](loss)
 
 
-@def_composite(torch.logsumexp, T.logsumexp)
+@composite(torch.logsumexp, T.logsumexp)
 def logsumexp(input, dim, keepdim=False):
     """logsumexp(x) = m + log(sum(exp(x - m))), m = max of the primal (a constant)."""
     m = input.detach().amax(dim, keepdim=True)
@@ -86,19 +34,19 @@ def logsumexp(input, dim, keepdim=False):
     return out if keepdim else out.sum(dim)  # summing the size-1 dims squeezes them
 
 
-@def_composite(torch._C._nn.mse_loss)
+@composite(torch._C._nn.mse_loss)
 def mse_loss(input, target, reduction=1):
     """mse = reduce((x - y)^2)."""
     return _reduce((input - target).square(), reduction)
 
 
-@def_composite(torch._C._nn.l1_loss)
+@composite(torch._C._nn.l1_loss)
 def l1_loss(input, target, reduction=1):
     """l1 = reduce(|x - y|) (slope 0 at x = y)."""
     return _reduce((input - target).abs(), reduction)
 
 
-@def_composite(torch._C._nn.smooth_l1_loss)
+@composite(torch._C._nn.smooth_l1_loss)
 def smooth_l1_loss(input, target, reduction=1, beta=1.0):
     """smooth_l1 = reduce(0.5 d^2 / beta where |d| < beta, else |d| - beta / 2)."""
     d = input - target
@@ -107,14 +55,14 @@ def smooth_l1_loss(input, target, reduction=1, beta=1.0):
     return _reduce(torch.where(d.abs() < beta, 0.5 * d.square() / beta, d.abs() - 0.5 * beta), reduction)
 
 
-@def_composite(torch._C._nn.huber_loss)
+@composite(torch._C._nn.huber_loss)
 def huber_loss(input, target, reduction=1, delta=1.0):
     """huber = reduce(0.5 d^2 where |d| < delta, else delta (|d| - delta / 2))."""
     d = input - target
     return _reduce(torch.where(d.abs() < delta, 0.5 * d.square(), delta * (d.abs() - 0.5 * delta)), reduction)
 
 
-@def_composite(torch.binary_cross_entropy_with_logits)
+@composite(torch.binary_cross_entropy_with_logits)
 def binary_cross_entropy_with_logits(input, target, weight=None, pos_weight=None, reduction=1):
     """bce_logits = reduce(w ((1 - t) x + (1 + (pw - 1) t) softplus(-x)))."""
     lw = 1 if pos_weight is None else (pos_weight - 1) * target + 1
@@ -125,7 +73,7 @@ def binary_cross_entropy_with_logits(input, target, weight=None, pos_weight=None
     return _reduce(loss, reduction)
 
 
-@def_composite(torch._C._nn.cross_entropy_loss)
+@composite(torch._C._nn.cross_entropy_loss)
 def cross_entropy(input, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
     """cross_entropy = nll_loss(log_softmax(x, 1)) for class indices (no label smoothing); else the fallback."""
     if label_smoothing != 0.0 or (torch.is_tensor(target) and target.is_floating_point()):
@@ -135,7 +83,7 @@ def cross_entropy(input, target, weight=None, reduction=1, ignore_index=-100, la
 
 
 if hasattr(F, "linear_cross_entropy"):  # torch >= 2.15
-    @def_composite(F.linear_cross_entropy)
+    @composite(F.linear_cross_entropy)
     def linear_cross_entropy(input, linear_weight, target, linear_bias=None, weight=None, reduction="mean",
                              ignore_index=None, label_smoothing=0.0, options=None):
         """``cross_entropy(linear(x))``: the fused operator takes its gradient flags from ``requires_grad`` at the
@@ -154,15 +102,11 @@ def _frozen(x):
     """The primal block of clone ``x`` in every block: a constant (zero tangent) that keeps its gradient, for the
     weights ``w(a)`` of a linearisation ``sum(w(a) d)``: ``detach`` would drop ``dw/da`` from the gradient of a
     penalty on the tangent."""
-    from torch._C import DisableTorchFunctionSubclass
-
-
     with DisableTorchFunctionSubclass():
-        p = x.as_subclass(torch.Tensor)
-        return wrap(tile(p[0], p.shape[0]), state=True)
+        return wrap(assemble(primal(x), k=count(x)), state=True)
 
 
-@def_composite(torch._C._linalg.linalg_vector_norm, aliases={"ord": "ord"})
+@composite(torch._C._linalg.linalg_vector_norm, aliases={"ord": "ord"})
 def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
     """d||x||_p = sum(w d), ``w = sign(x) |x|^(p-1) / ||x||^(p-1)`` for ``p >= 1`` (``x / ||x||`` for 2), the
     mean of ``sign(x)`` over the entries that attain the max (min) for ``p = inf`` (``-inf``); 0 at ``x = 0``
@@ -180,8 +124,8 @@ def vector_norm(input, ord=2, dim=None, keepdim=False, *, dtype=None):
     return (input * w).sum(dim, keepdim=keepdim)
 
 
-@register_op(T.norm, reentrant=True)
-def tensor_norm(func, input, p="fro", dim=None, keepdim=False, dtype=None):
+@composite(T.norm, own_primal=False)
+def tensor_norm(input, p="fro", dim=None, keepdim=False, dtype=None):
     """``Tensor.norm`` is ``torch.norm`` (a Python function whose body runs through the rules)."""
     return torch.norm(input, p, dim, keepdim, dtype=dtype)
 
@@ -207,31 +151,31 @@ def _mean(input, dim, keepdim):
     return input.mean(dim, keepdim=keepdim)
 
 
-@def_composite(torch.var, T.var)
+@composite(torch.var, T.var)
 def var(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     """var(x) = sum((x - mean x)^2) / max(0, N - correction): d var = 2 sum((x - mean x) d) / (N - correction)."""
     return _variance(input, dim, unbiased, keepdim, correction)
 
 
-@def_composite(torch.std, T.std)
+@composite(torch.std, T.std)
 def std(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     """std(x) = sqrt(var(x)): d std = d var / (2 std)."""
     return torch.sqrt(_variance(input, dim, unbiased, keepdim, correction))
 
 
-@def_composite(torch.var_mean)
+@composite(torch.var_mean)
 def var_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     """(var(x), mean(x)), each linearised as alone."""
     return _variance(input, dim, unbiased, keepdim, correction), _mean(input, dim, keepdim)
 
 
-@def_composite(torch.std_mean)
+@composite(torch.std_mean)
 def std_mean(input, dim=None, unbiased=None, keepdim=False, *, correction=None):
     """(std(x), mean(x)), each linearised as alone."""
     return torch.sqrt(_variance(input, dim, unbiased, keepdim, correction)), _mean(input, dim, keepdim)
 
 
-@def_composite(torch.rms_norm, F.rms_norm)
+@composite(torch.rms_norm, F.rms_norm)
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     """rms_norm(x) = x / sqrt(mean(x^2) + eps) * w over the last ``len(normalized_shape)`` dims (``eps=None``:
     the dtype's machine epsilon, as torch)."""
@@ -241,30 +185,26 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):
     return y if weight is None else y * weight
 
 
-@def_composite(torch._C._nn.glu)
+@composite(torch._C._nn.glu)
 def glu(input, dim=-1):
     """glu(x) = a * sigmoid(b), ``a, b`` the halves of ``x`` along ``dim``."""
     a, b = input.chunk(2, dim)
     return a * torch.sigmoid(b)
 
 
-@def_composite(torch.sort, T.sort)
+@composite(torch.sort, T.sort)
 def sort(input, dim=-1, descending=False, stable=False):
     """sort: values gathered at the primal's sorting indices."""
     idx = torch.sort(input.detach(), dim=dim, descending=descending, stable=stable).indices
     return input.gather(dim, idx), idx
 
 
-@def_composite(torch.topk, T.topk)
+@composite(torch.topk, T.topk)
 def topk(input, k, dim=-1, largest=True, sorted=True):
     """topk: values gathered at the primal's indices."""
     idx = torch.topk(input.detach(), k, dim=dim, largest=largest, sorted=sorted).indices
     return input.gather(dim, idx), idx
 
 
-@register_op(torch._C._nn.nll_loss_nd, torch._C._nn.nll_loss, torch._C._nn.nll_loss2d)
-def nll_loss(func, input, target, weight=None, reduction=1, ignore_index=-100):
-    """nll_loss is linear in its input for fixed targets and weights: every block alike."""
-    if not is_clone(input) or (is_clone(weight) and not weight._jvp_state):
-        return fallback(func, (input, target, weight, reduction, ignore_index), {})
-    return per_block(func, (input, target, weight, reduction, ignore_index), {})
+# nll_loss is linear in its input for fixed targets and weights: every block alike
+linear(torch._C._nn.nll_loss_nd, torch._C._nn.nll_loss, torch._C._nn.nll_loss2d, fixed=("weight",))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from jvpreg.clone.core.registry import maybe
+from jvpreg.clone.rules.blocks import assemble, primal
 from jvpreg.clone.rules.kinds import register_rule
 
 _SELU_ALPHA = 1.7580993408473766  # -lambda * alpha of SELU, as in ATen's alpha dropout
@@ -33,17 +34,18 @@ def _mask_shape(a: torch.Tensor, feature: bool, batched_ndim: int | None = None)
 
 def _apply(x: torch.Tensor, p: float, training: bool, feature: bool, alpha: bool,
            batched_ndim: int | None = None) -> torch.Tensor:
+    """The affine map of one draw applied to every block at once."""
     if not training or p == 0:  # torch returns its input itself
         return x
-    a = x[0]
     if p == 1:  # torch: input * 0 for every variant
-        return x * 0
+        return assemble(every_block=x * 0)
+    a = primal(x)
     keep = torch.empty(_mask_shape(a, feature, batched_ndim), dtype=a.dtype, device=a.device).bernoulli_(1 - p)
     if not alpha:
-        return x * (keep / (1 - p))
+        return assemble(every_block=x * (keep / (1 - p)))
     coef = 1.0 / ((_SELU_ALPHA ** 2 * p + 1) * (1 - p)) ** 0.5
     shift = (keep - 1) * _SELU_ALPHA * coef + _SELU_ALPHA * coef * p
-    return x * (keep * coef) + shift
+    return assemble(every_block=x * (keep * coef) + shift)
 
 
 @register_rule(F.dropout, torch.dropout, inplace=(maybe(torch, "dropout_"),), inplace_safe=True)

@@ -11,28 +11,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jvpreg.clone.eager.dispatch import decomposition, fallback, per_block
 from jvpreg.clone.core.registry import register_handler, register_op
-from jvpreg.clone.core.tensor import block_delta, is_clone
+from jvpreg.clone.core.tensor import is_clone, raw
+from jvpreg.clone.eager.dispatch import decomposition, fallback, per_block
+from jvpreg.clone.rules.blocks import primal, split
+from jvpreg.clone.rules.kinds import composite
 
 
 @register_handler(torch.embedding_renorm_)
 def embedding_renorm_(func, args, kwargs):
-    """embedding_renorm_(w, idx, max_norm, norm_type): renormalise the primal rows; tangents unchanged."""
+    """embedding_renorm_(w, idx, max_norm, norm_type): renormalise the primal rows; tangents unchanged. Written in
+    place, block by block (the op's own contract)."""
     weight, rest = args[0], args[1:]
     if not is_clone(weight):  # only the indices come from the batch: they are state, use the primal's
-        return func(weight, *[a[0] if is_clone(a) else a for a in rest], **kwargs)
-    idx = rest[0][0] if is_clone(rest[0]) else rest[0]
-    w = weight.as_subclass(torch.Tensor)
+        return func(weight, *[primal(a) for a in rest], **kwargs)
+    w = raw(weight)
     with torch.no_grad():
-        d = block_delta(w[1:], w[0])
-        func(w[0], idx, *rest[1:], **kwargs)
-        w[1:] = w[0] + d
+        a, d = split(w)
+        _, blocks = split(w, differences=False)
+        func(a, primal(rest[0]), *rest[1:], **kwargs)
+        blocks.copy_(a + d)
     return weight
 
 
-@register_op(F.embedding, reentrant=True)
-def embedding(func, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+@composite(F.embedding, own_primal=False)
+def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
               sparse=False):
     """F.embedding: a lookup (linear in the weight). With ``max_norm`` and a batch weight the renorm is
     applied to the clone itself (torch renormalises ``weight.detach()``, an alias that a clone's detach,
@@ -41,7 +44,6 @@ def embedding(func, input, weight, padding_idx=None, max_norm=None, norm_type=2.
         with torch.no_grad():
             torch.embedding_renorm_(weight, input.contiguous(), max_norm, norm_type)
         max_norm = None
-
     return decomposition(F.embedding)(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
 
 

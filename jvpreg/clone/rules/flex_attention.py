@@ -7,7 +7,7 @@
     out = safe_softmax(S') v,   lse = logsumexp(S'),   max = max(S')   (lse and max in log2 units)
 
 The primal block is the op itself; the tangent blocks come from that formula run on the clone batch, every op
-through its own rule (:func:`jvpreg.clone.rules.composite.def_composite`). torch evaluates ``score_mod`` and
+through its own rule (:func:`jvpreg.clone.rules.kinds.composite`). torch evaluates ``score_mod`` and
 ``mask_mod`` under ``vmap`` over ``(b, h, i, j)``; here they run once on broadcast index tensors ``b (B,1,1,1)``,
 ``h (1,H,1,1)``, ``i (1,1,L,1)``, ``j (1,1,1,S)``, which is the same for elementwise functions. Where it is not
 (an error, an output of another shape, or a primal block that differs from the operator's output: checked on every
@@ -23,9 +23,10 @@ import math
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-from jvpreg.clone.core.tensor import is_clone
-from jvpreg.clone.rules.composite import def_composite
+from jvpreg.clone.rules.blocks import primal
+from jvpreg.clone.rules.kinds import composite
 
 try:
     import torch.nn.attention.flex_attention as _front
@@ -109,11 +110,9 @@ def same_output(out_a, out) -> None:
     """The formula's primal block must be the operator's output: a ``score_mod``/``mask_mod`` that means something
     else on broadcast indices than under vmap (a reduction over its argument, say) is refused, never linearised.
     A value read, so made where it is free or paid once: eager calls (a capture reads untraced, once)."""
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
     want = out_a[0]
     with DisableTorchFunctionSubclass(), disable_proxy_modes_tracing():
-        got = out[0].as_subclass(torch.Tensor)[0] if is_clone(out[0]) else out[0]
+        got = primal(out[0])
         tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(want.dtype, 2e-2)
         ok = got.shape == want.shape and bool(torch.isclose(got, want, rtol=tol, atol=tol, equal_nan=True).all())
     if not ok:
@@ -125,4 +124,4 @@ def same_output(out_a, out) -> None:
 
 
 if _hop is not None:
-    def_composite(_hop, check=same_output)(flex_attention_formula)
+    composite(_hop, check=same_output)(flex_attention_formula)

@@ -8,18 +8,9 @@ op keeps ``keep`` as a bool block instead (a quarter of the bytes) and its backw
 ``dz_j = keep * dout_j``. Registered with ``torch.library`` so a captured program records it as one node
 (:mod:`jvpreg.clone.program.capture`) and its backward is replayed by autograd like any aten op's.
 
-``jvpreg::batch_norm_tangent(d, a, gamma, mean, invstd, eps)``: train-mode BatchNorm's tangent blocks, the
-BatchNorm backward kernel applied to ``d_j``; its backward is written out (:func:`_bn_tangent_backward`) instead of
-autograd's double backward of that kernel, a composite of ~30 ops that took 13-16% of a regularized ResNet-18 step.
-
-``jvpreg::batch_norm_blocks(z, gamma, beta, running_mean, running_var, momentum, eps)``: train-mode BatchNorm's whole
-clone rule on the CPU, ``out_0 = BN(a)`` by the plain forward's kernel and ``out_j = out_0 + t_j``, written into one
-output; autograd keeps the input blocks (as a plain BatchNorm keeps its input) and the backward writes ``dz`` in place.
-The composite rule (a copy of ``a``, ``d``, ``t``, ``out_0 + t``, then a ``stack``) allocated seven blocks per call
-where this allocates three. ``jvpreg::batch_norm_relu_blocks``: the same with ``relu_blocks`` applied in place on its
-output (:mod:`jvpreg.clone.program.passes` fuses a relu that alone reads a BatchNorm, as a plain ``ReLU(inplace=True)`` does).
-Together, on a regularized ResNet-18 step (train-mode BatchNorm, batch 64, 64x64, captured engine), they took the
-tensors allocated per step from 2089 to 1730 MiB (the plain 2B step: 1342 MiB).
+Train-mode BatchNorm's operators (``jvpreg::batch_norm_tangent``, ``batch_norm_blocks``, ``batch_norm_relu_blocks``)
+sit with its rule, in :mod:`jvpreg.clone.rules.batch_norm`; they are made with :func:`custom_operator` and
+:func:`register_autograd` like the ones here.
 
 ``jvpreg::attention_blocks(q, k, v, value_blocks, dq, dk, mask, scale, causal, blocks)``: scaled dot-product
 attention linearised at the primal block (:func:`linearised_attention`), every block at once. Autograd would keep
@@ -50,22 +41,24 @@ import torch
 from torch.autograd import forward_ad
 
 from jvpreg.clone.core.device_paths import on_host
-from jvpreg.clone.core.tensor import CloneTensor, compiling, each_block, stack_blocks, tile
+from jvpreg.clone.core.tensor import CloneTensor, compiling
+from jvpreg.clone.rules.blocks import assemble, each_block, stacked
 
-__all__ = ["applies", "relu_blocks", "batch_norm_tangent", "group_norm_tangent", "attention_blocks",
-           "attention_probs", "attention_recomputed", "layer_norm_tangent", "linearised_attention"]
+__all__ = ["DIRECT", "applies", "attention_blocks", "attention_probs", "attention_recomputed", "custom_operator",
+           "fake_tangent_and_sums", "group_norm_tangent", "inside_transform", "keeping_inputs", "layer_norm_tangent",
+           "linearised_attention", "masked_by", "register_autograd", "relu_blocks"]
 
 _threshold_backward = torch.ops.aten.threshold_backward.default
 
 
 # The operators' own Python functions, and the same forward, setup and backward as a plain ``autograd.Function``:
 # :mod:`jvpreg.clone.program.replay` calls that one, skipping the custom-operator machinery (Python dispatch, schema
-# checks), which cost 30-40 µs a call and up to 250 µs on a 1M-entry ``relu_blocks`` on this CPU.
+# checks), whose cost per call grows with the operator's inputs (experiments/results/rules_measurements.md).
 _IMPLS: Dict[Any, Tuple[str, Callable]] = {}
 DIRECT: Dict[torch._ops.OpOverload, Callable] = {}
 
 
-def _operator(name: str) -> Callable:
+def custom_operator(name: str) -> Callable:
     """``torch.library.custom_op("jvpreg::<name>")`` of the decorated function, which is kept for :data:`DIRECT`."""
     def wrap(fn):
         op = torch.library.custom_op(f"jvpreg::{name}", mutates_args=())(fn)
@@ -74,7 +67,7 @@ def _operator(name: str) -> Callable:
     return wrap
 
 
-def _register_autograd(op: Any, backward: Callable, setup_context: Callable) -> None:
+def register_autograd(op: Any, backward: Callable, setup_context: Callable) -> None:
     """``op.register_autograd(backward, setup_context=...)``, and the same as an ``autograd.Function`` in
     :data:`DIRECT` (the call bound to positional arguments, as the custom operator binds it)."""
     op.register_autograd(backward, setup_context=setup_context)
@@ -112,23 +105,22 @@ def applies(t: torch.Tensor) -> bool:
     on a plain or clone tensor (not a DTensor: no sharding rule).
 
     In programs for ``engine="compiled"`` on the CPU too, where Inductor calls them as opaque kernels: its C++
-    code stores a bool mask 10-20x slower than ATen on this (AVX-512) CPU (relu(h) and h <= 0 of 128x200: 215 µs
-    compiled, 12 µs eager), and the compiled engine's ResNet-18 training step (train-mode BatchNorm, batch 32)
-    took 120 ms with the operators and 143 ms with Inductor's fusion of the decomposed rules (the 4-layer ViT
-    was unchanged within noise). On other devices a compiled program leaves the decomposed rules to Inductor's
-    fusion (not measured here: no GPU)."""
+    code stores a bool mask much slower than ATen on an AVX-512 CPU, and a compiled ResNet-18 training step was
+    faster with the operators than with Inductor's fusion of the decomposed rules
+    (experiments/results/rules_measurements.md). On other devices a compiled program leaves the decomposed rules to
+    Inductor's fusion (not measured: no GPU)."""
 
     return (torch.is_grad_enabled() and t.requires_grad and type(t) in (torch.Tensor, CloneTensor)
             and not inside_transform() and (on_host(t) or not compiling()))
 
 
-@_operator("relu_blocks")
+@custom_operator("relu_blocks")
 def relu_blocks(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(1[a > 0] * z_j for all j, not (a <= 0))`` with ``a = z[0]``."""
     a = z[0]
     out = _threshold_backward(z, a.expand_as(z), 0)
     # relu(a) with NaN kept is nonzero exactly where not (a <= 0): a cast to bool (vectorised; comparisons that
-    # make bools run 7-9x slower on the CPU)
+    # make bools run slower on the CPU)
     return out, out[0].to(torch.bool)
 
 
@@ -147,55 +139,28 @@ def _backward(ctx, grad, _grad_keep):
     if grad is None:
         return None
     (keep,) = ctx.saved_tensors
-    return _masked(grad, keep)
+    return masked_by(grad, keep)
 
 
-def _masked(grad: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def masked_by(grad: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``keep * grad`` by relu's backward kernel (0 where not kept, whatever ``grad`` holds there). The bool pattern
-    is cast through a uint8 view (7x faster on the CPU), except where a compiled backward is traced (on fake tensors:
-    Inductor fuses the cast, and torch 2.11's cannot lower a bool -> uint8 view)."""
+    is cast through a uint8 view (faster on the CPU than a cast of the bools), except where a compiled backward is
+    traced (on fake tensors: Inductor fuses the cast, and torch 2.11's cannot lower a bool -> uint8 view)."""
     traced = torch._subclasses.fake_tensor.is_fake(grad)
     keep = keep.to(grad.dtype) if traced else keep.view(torch.uint8).to(grad.dtype)
     return _threshold_backward(grad, keep.expand_as(grad), 0)
 
 
-_register_autograd(relu_blocks, _backward, _setup)
+register_autograd(relu_blocks, _backward, _setup)
 
 
-_bn_backward = torch.ops.aten.native_batch_norm_backward.default
-
-
-def _sums_weight(weight: Optional[torch.Tensor], mean: torch.Tensor) -> torch.Tensor:
-    """``weight``, or ones for a BatchNorm without one: the clone rules read ``sum(g * xhat)`` from
-    ``native_batch_norm_backward``'s weight gradient, which CUDA's kernel returns empty when no weight is passed (the
-    CPU's computes it); a weight of ones changes no other output (``gamma = 1``)."""
-    return torch.ones_like(mean) if weight is None else weight
-
-
-@_operator("batch_norm_tangent")
-def batch_norm_tangent(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
-                       invstd: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Train-mode BatchNorm's tangents ``t_j = gamma * r * (d_j - mean(d_j) - xhat * mean(d_j * xhat))`` (``(C,)``
-    statistics ``mean``, ``invstd = r`` of the primal block ``a``, reduced over every dim but 1), with the
-    per-channel sums ``sum(d_j * xhat)`` and ``sum(d_j)`` that the backward reuses (``(K-1, C)`` each)."""
-    w = _sums_weight(weight, mean)
-    outs = [_bn_backward(dj, a, w, None, None, mean, invstd, True, eps, [True, True, True]) for dj in d]
-    return (_stacked([o[0] for o in outs]), _stacked([o[1].to(mean.dtype) for o in outs]),
-            _stacked([o[2].to(mean.dtype) for o in outs]))
-
-
-def _stacked(parts):
-    """``torch.stack(parts)`` without its copy for the usual single tangent (a view of a fresh tensor)."""
-    return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
-
-
-def _fake_tangent_and_sums(d, a, weight, mean, rstd, _setting):
+def fake_tangent_and_sums(d, a, weight, mean, rstd, _setting):
     """Shapes of a normalisation tangent operator's outputs: the tangents, and two sums per statistic."""
     sums = d.new_empty((d.shape[0], *mean.shape), dtype=mean.dtype)
     return torch.empty_like(d), sums, torch.empty_like(sums)
 
 
-def _keeping(settings: int, sums: bool) -> Callable:
+def keeping_inputs(settings: int, sums: bool) -> Callable:
     """A normalisation tangent operator's ``setup_context``: save its tensor inputs (all but the trailing
     ``settings`` ones, which become ``ctx.setting``: the one, or their tuple) and, with ``sums``, its two sum
     outputs (not differentiable, and given no zero gradients)."""
@@ -210,296 +175,6 @@ def _keeping(settings: int, sums: bool) -> Callable:
     return setup
 
 
-batch_norm_tangent.register_fake(_fake_tangent_and_sums)
-
-
-def _bn_tangent_backward(ctx, grad, _g_sdx, _g_sd):
-    """Gradients of ``L = sum_j <g_j, t_j>`` w.r.t. ``d``, ``a`` and ``gamma`` (``mean``, ``invstd`` are functions
-    of ``a``, accounted for here). Per channel, with ``N`` entries, ``G = gamma g_j``, sums ``S_x = sum(x)``:
-
-        dL/dd_j = BN_backward(g_j)    (t is gamma r P(d) with P a symmetric projection)
-        dL/da   = -(r^2/N) sum_j [xhat (A_j - 3 c_j S_Gxhat) + S_Gxhat (d_j - mean d_j) + N c_j (G - mean G)]
-        dL/dgamma = r sum_j (S_gd - mean(d_j) S_g - c_j S_gxhat)
-
-    with ``A_j = S_Gd - mean(d_j) S_G``, ``c_j = mean(d_j xhat)``: two BatchNorm backward kernels and three fused
-    multiply-adds per tangent, where autograd's double backward of ``native_batch_norm_backward`` takes ~7x longer.
-    Under ``create_graph`` torch's own double backward runs instead (higher orders as in torch)."""
-    if grad is None:
-        return None, None, None, None, None, None
-    d, a, weight, mean, invstd, sum_dx, sum_d = ctx.saved_tensors
-    eps = ctx.setting
-    if torch.is_grad_enabled():
-        return _bn_tangent_backward_graph(grad, d, a, weight, mean, invstd, eps)
-    grad_d, grad_a, grad_w = _bn_tangent_grads(grad, d, a, weight, mean, invstd, sum_dx, sum_d, eps)
-    return grad_d, grad_a, grad_w, None, None, None
-
-
-def _bn_tangent_grads(grad, d, a, weight, mean, invstd, sum_dx, sum_d, eps):
-    """``(dL/dd, dL/da, dL/dgamma)`` of :func:`_bn_tangent_backward` (no graph), ``dL/dgamma`` ``None`` without a
-    weight; on an accelerator by :func:`_bn_tangent_grads_few_launches`."""
-    if few_launches(a):
-        return _bn_tangent_grads_few_launches(grad, d, a, weight, mean, invstd, sum_dx, eps)
-    ch, w, n = _channels(a, weight, mean)
-    grad_d, grad_a, grad_w = [], None, None
-    for j in range(d.shape[0]):
-        gj, dj = grad[j], d[j]
-        gd, (coef_a, coef_d, coef_g, const, dgamma) = _bn_tangent_terms(gj, dj, a, weight, mean, invstd, sum_dx[j],
-                                                                        sum_d[j], eps, w, n)
-        grad_d.append(gd)
-        ga = (a * ch(coef_a)).add_(ch(const))  # (an addcmul with a broadcast first operand is 3-6x slower)
-        ga.addcmul_(ch(coef_d), dj).addcmul_(ch(coef_g), gj)
-        grad_a = ga if grad_a is None else grad_a.add_(ga)
-        grad_w = _accumulated(grad_w, dgamma)
-    return _stacked(grad_d), grad_a.to(a.dtype), None if weight is None else grad_w.to(weight.dtype)
-
-
-def few_launches(t: torch.Tensor) -> bool:
-    """Whether the BatchNorm tangent's backward takes the form with fewer, larger kernels
-    (:func:`_bn_tangent_grads_few_launches`): on an accelerator, where a small network's step is launch-bound. The
-    CPU keeps the form expanded in ``a``, ``d_j``, ``g_j`` (one BatchNorm backward pass fewer: 1.3x faster here)."""
-    return not on_host(t)
-
-
-def _bn_tangent_grads_few_launches(grad, d, a, weight, mean, invstd, sum_dx, eps):
-    """:func:`_bn_tangent_grads` as ``dL/da = -r sum_j [mean(G u_j) xhat + mean(d_j xhat) h_j + mean(G xhat) u_j]``
-    (:func:`_bn_tangent_backward`), with ``u_j = r P(d_j)`` from a third BatchNorm backward kernel and six
-    ``(C,)`` products per tangent instead of eighteen (35 kernels per BatchNorm of a regularized step on a GPU's
-    path, 25 with this form; one more pass over the activations)."""
-    ch, w, n = _channels(a, weight, mean)
-    ones, zeros = (w if weight is None else torch.ones_like(mean)), torch.zeros_like(mean)
-    q = invstd * (-1.0 / n)
-    qw = q if weight is None else q * w
-    grad_d, grad_a, coef_a, grad_w = [], None, None, None
-    for j in range(d.shape[0]):
-        gj = grad[j]
-        h, s_gx, _ = _bn_backward(gj, a, w, None, None, mean, invstd, True, eps, [True, True, False])
-        u = _bn_backward(d[j], a, None, None, None, mean, invstd, True, eps, [True, False, False])[0]
-        s_gu = _bn_backward(gj, u, ones, None, None, zeros, ones, True, 0.0, [False, True, False])[1]  # sum(g u)
-        s_gx, s_gu = s_gx.to(mean.dtype), s_gu.to(mean.dtype)
-        grad_d.append(h)
-        ga = torch.mul(h, ch(q * sum_dx[j])).addcmul_(u, ch(qw * s_gx))
-        grad_a = ga if grad_a is None else grad_a.add_(ga)
-        coef_a = _accumulated(coef_a, torch.mul(qw, invstd).mul_(s_gu))
-        grad_w = _accumulated(grad_w, None if weight is None else s_gu)  # dL/dgamma = sum(g u)
-    grad_a.addcmul_(a, ch(coef_a)).sub_(ch(coef_a.mul_(mean)))  # + (a - mean) * sum_j (-r^2 gamma / N) sum(g u)
-    return _stacked(grad_d), grad_a.to(a.dtype), None if weight is None else grad_w.to(weight.dtype)
-
-
-def _channels(a, weight, mean):
-    """``(view of a (C,) vector broadcasting over a, gamma (ones without a weight), entries per channel)``."""
-    ch = lambda p: p.reshape(-1, *([1] * (a.dim() - 2)))
-    w = weight.to(mean.dtype) if weight is not None else torch.ones_like(mean)
-    return ch, w, a.numel() // a.shape[1]
-
-
-def _accumulated(total: Optional[torch.Tensor], term: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``total + term`` in place, ``term`` itself for the first term (no zero tensor to start from); ``None`` terms
-    (no weight) add nothing."""
-    if term is None:
-        return total
-    return term if total is None else total.add_(term)
-
-
-def _bn_tangent_terms(gj, dj, a, weight, mean, invstd, sum_dx_j, sum_d_j, eps, w, n):
-    """``dL/dd_j`` and the per-channel ``(coef_a, coef_d, coef_g, const, dL/dgamma_j)`` of
-    ``dL/da_j = coef_a a + const + coef_d d_j + coef_g g_j`` (the formulas of :func:`_bn_tangent_backward`), with
-    ``q = -r^2 gamma / N``, ``b = S_gd - mean(d_j) S_g - c_j S_gxhat``:
-
-        coef_a = q r (b - 2 c_j S_gxhat),  coef_d = q S_gxhat,  coef_g = q S_dxhat,
-        const = -coef_a mean - q (mean(d_j) S_gxhat + c_j S_g),  dL/dgamma_j = r b
-
-    in 18 small (C,) kernels (36 before: on a GPU each is a launch, and the step of a small network is launch-bound);
-    ``dL/dgamma_j`` is ``None`` without a weight."""
-    r = invstd
-    gd, s_gx, s_g = _bn_backward(gj, a, w, None, None, mean, invstd, True, eps, [True, True, True])  # (w: gamma or 1)
-    ones = torch.ones_like(mean)  # sum(g_j d_j): the weight gradient of a BatchNorm of d_j with mean 0, invstd 1
-    s_gd = _bn_backward(gj, dj, ones, None, None, torch.zeros_like(mean), ones, True, 0.0, [False, True, False])[1]
-    s_gx, s_g, s_gd = s_gx.to(mean.dtype), s_g.to(mean.dtype), s_gd.to(mean.dtype)
-    dbar, c = sum_d_j / n, sum_dx_j / n
-    b = torch.addcmul(s_gd, dbar, s_g, value=-1).addcmul_(c, s_gx, value=-1)
-    q = torch.mul(r, w).mul_(r).div_(-n)
-    coef_a = torch.addcmul(b, c, s_gx, value=-2).mul_(q).mul_(r)
-    const = torch.mul(s_gx, dbar).addcmul_(c, s_g).mul_(q).addcmul_(coef_a, mean).neg_()
-    return gd, (coef_a, q * s_gx, q * sum_dx_j, const, None if weight is None else r * b)
-
-
-def _bn_tangent_backward_graph(grad, d, a, weight, mean, invstd, eps):
-    """The same gradients through autograd of ``native_batch_norm_backward`` (differentiable once more)."""
-    inputs = [(i, x) for i, x in enumerate((d, a, weight)) if x is not None and x.requires_grad]
-    t = torch.stack([_bn_backward(dj, a, weight, None, None, mean, invstd, True, eps, [True, False, False])[0]
-                     for dj in d])
-    grads = torch.autograd.grad(t, [x for _, x in inputs], grad, create_graph=True, allow_unused=True)
-    out = [None, None, None, None, None, None]
-    for (i, _), g in zip(inputs, grads):
-        out[i] = g
-    return tuple(out)
-
-
-_register_autograd(batch_norm_tangent, _bn_tangent_backward, _keeping(1, sums=True))
-
-
-def _dense_layout(t: torch.Tensor) -> Optional[torch.memory_format]:
-    """The memory format ``t`` is contiguous in (channels-last first, as torch suggests it), or ``None``."""
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    if t.dim() in formats and t.is_contiguous(memory_format=formats[t.dim()]) and not t.is_contiguous():
-        return formats[t.dim()]
-    return torch.contiguous_format if t.is_contiguous() else None
-
-
-def _blocks(shape: torch.Size, like: torch.Tensor, layout: torch.memory_format) -> torch.Tensor:
-    """An empty ``(K, *like.shape)`` tensor (not a view: an operator's output may be written in place) whose blocks
-    are each contiguous in ``layout``."""
-    strides = torch.empty(like.shape, device="meta", memory_format=layout).stride()
-    return torch.empty_strided(shape, (like.numel(), *strides), dtype=like.dtype, device=like.device)
-
-
-def _bn_blocks(z: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-               running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], momentum: float,
-               eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                    torch.Tensor]:
-    """Clone-BN on the physical blocks ``z = [a; z_1; ...]``: ``out_0 = BN(a)`` by the plain forward's kernel,
-    ``out_j = out_0 + t_j`` with :func:`batch_norm_tangent`'s ``t_j`` of ``d_j = z_j - a``, written into one output in
-    ``z``'s layout; with the primal ``mean``, ``invstd``, the sums ``sum(d_j * xhat)``, ``sum(d_j)`` and the running
-    statistics updated from ``a`` by that kernel (new tensors: an operator with a derivative may not mutate its
-    inputs; empty where there are none), which the caller copies into the module's buffers."""
-    a = z[0]
-    new_mean = a.new_empty(0) if running_mean is None else running_mean.clone()
-    new_var = a.new_empty(0) if running_var is None else running_var.clone()
-    running = (None if running_mean is None else new_mean, None if running_var is None else new_var)
-    layout = _dense_layout(a)
-    if layout is not None:  # the kernel writes block 0 of the output (its .out reads other layouts wrong: torch 2.15)
-        out = _blocks(z.shape, a, layout)
-        mean, invstd = a.new_empty(a.shape[1]), a.new_empty(a.shape[1])
-        torch.ops.aten.native_batch_norm.out(a, weight, bias, *running, True, momentum, eps, out=out[0],
-                                             save_mean=mean, save_invstd=invstd)
-    else:  # e.g. a transposed token batch: the functional kernel, then a copy
-        out_a, mean, invstd = torch.ops.aten.native_batch_norm(a, weight, bias, *running, True, momentum, eps)
-        out = _blocks(z.shape, out_a, _dense_layout(out_a) or torch.contiguous_format)
-        out[0].copy_(out_a)
-    sum_dx, sum_d, w = [], [], _sums_weight(weight, mean)
-    for j in range(1, z.shape[0]):
-        dj = torch.sub(z[j], a, out=out[j])  # d_j in its output slot, overwritten by out_0 + t_j below
-        t, s_dx, s_d = _bn_backward(dj, a, w, None, None, mean, invstd, True, eps, [True, True, True])
-        torch.add(out[0], t, out=out[j])
-        sum_dx.append(s_dx.to(mean.dtype))
-        sum_d.append(s_d.to(mean.dtype))
-    return out, mean, invstd, _stacked(sum_dx), _stacked(sum_d), new_mean, new_var
-
-
-batch_norm_blocks = _operator("batch_norm_blocks")(_bn_blocks)
-
-
-@batch_norm_blocks.register_fake
-def _bn_blocks_fake(z, weight, bias, running_mean, running_var, momentum, eps):
-    stats = z.new_empty(z.shape[2])
-    sums = z.new_empty((z.shape[0] - 1, z.shape[2]))
-    running = [z.new_empty(0) if r is None else torch.empty_like(r) for r in (running_mean, running_var)]
-    return torch.empty_like(z), stats, torch.empty_like(stats), sums, torch.empty_like(sums), *running
-
-
-def _bn_blocks_setup(ctx, inputs, output, *kept):
-    z, weight, bias, _, _, _, eps = inputs
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)
-    ctx.eps, ctx.has_bias = eps, bias is not None
-    ctx.save_for_backward(z, weight, *output[1:5], *kept)
-
-
-def _bn_blocks_backward(ctx, grad, *_stats_grads):
-    if grad is None:
-        return None, None, None, None, None, None, None
-    return _bn_blocks_grad(ctx, grad, ctx.saved_tensors)
-
-
-def _bn_blocks_grad(ctx, grad, saved):
-    """``out_j = out_0 + t_j(d_j, a)``: the primal block's BatchNorm backward of ``g_0 + sum_j g_j``, plus
-    :func:`_bn_tangent_backward`'s gradients of ``sum_j <g_j, t_j>``; ``dz_0 = dx_a - sum_j dL/dd_j``,
-    ``dz_j = dL/dd_j``. ``saved``: ``ctx.saved_tensors``, read once (a checkpoint unpacks each saved tensor once)."""
-    z, weight, mean, invstd, sum_dx, sum_d = saved[:6]
-    a, eps = z[0], ctx.eps
-    mask = [True, weight is not None and ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-    if torch.is_grad_enabled():  # create_graph: torch's double backward of the kernels (higher orders as in torch)
-        dx, dw, db = _bn_backward(grad.sum(0), a, weight, None, None, mean, invstd, True, eps, mask)
-        d = z[1:] - a
-        t = torch.stack([_bn_backward(dj, a, weight, None, None, mean, invstd, True, eps, [True, False, False])[0]
-                         for dj in d])
-        wants_w = weight is not None and weight.requires_grad
-        grads = torch.autograd.grad(t, [z, weight] if wants_w else [z], grad[1:], create_graph=True,
-                                    allow_unused=True)
-        gz, gw = grads[0], grads[1] if wants_w else None
-        dz = torch.cat([(gz[0] + dx).unsqueeze(0), gz[1:]])
-    else:
-        dz, gw, spare = _bn_blocks_grads(grad, z, weight, mean, invstd, sum_dx, sum_d, eps)
-        dx, dw, db = _bn_backward(torch.sum(grad, 0, out=spare), a, weight, None, None, mean, invstd, True, eps, mask)
-        dz[0].add_(dx)
-    if dw is not None and gw is not None:
-        dw = dw + gw.to(dw.dtype)
-    return dz, dw if mask[1] else None, db if mask[2] else None, None, None, None, None
-
-
-def _bn_blocks_grads(grad, z, weight, mean, invstd, sum_dx, sum_d, eps):
-    """``dz`` of ``sum_j <g_j, t_j>`` (``dz_j = dL/dd_j``, ``dz_0 = dL/da - sum_j dL/dd_j``, written in place: at most
-    two blocks of temporaries beside ``dz``), ``dL/dgamma`` and the last ``d_j`` (a block the caller may reuse)."""
-    a = z[0]
-    ch, w, n = _channels(a, weight, mean)
-    grad_w = None
-    dz = torch.empty_like(z)
-    dz0 = dz[0]
-    for j in range(1, z.shape[0]):
-        gj, dj = grad[j], z[j] - a
-        gd, (coef_a, coef_d, coef_g, const, dgamma) = _bn_tangent_terms(gj, dj, a, weight, mean, invstd,
-                                                                        sum_dx[j - 1], sum_d[j - 1], eps, w, n)
-        dz[j].copy_(gd)
-        del gd
-        if j == 1:
-            torch.mul(a, ch(coef_a), out=dz0)
-        else:
-            dz0.addcmul_(ch(coef_a), a)
-        dz0.add_(ch(const)).addcmul_(ch(coef_d), dj).addcmul_(ch(coef_g), gj).sub_(dz[j])
-        grad_w = _accumulated(grad_w, dgamma)
-    return dz, grad_w, dj
-
-
-_register_autograd(batch_norm_blocks, _bn_blocks_backward, _bn_blocks_setup)
-
-
-@_operator("batch_norm_relu_blocks")
-def batch_norm_relu_blocks(z: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                           running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], momentum: float,
-                           eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`batch_norm_blocks` then :func:`relu_blocks` in place on its output: ``(out, keep, mean, invstd, sum_dx,
-    sum_d, new running mean, new running var)``. One output where the two operators make two (a plain forward's
-    BatchNorm -> ReLU(inplace=True) makes one); :mod:`jvpreg.clone.program.passes` puts it in captured programs."""
-    out, *rest = _bn_blocks(z, weight, bias, running_mean, running_var, momentum, eps)
-    tangents = out[1:]  # masked first, reading the primal block before it is clamped (same pattern either way)
-    torch.ops.aten.threshold_backward.grad_input(tangents, out[0].expand_as(tangents), 0, grad_input=tangents)
-    out[0].clamp_min_(0)  # relu, NaN kept
-    return out, out[0].to(torch.bool), *rest
-
-
-@batch_norm_relu_blocks.register_fake
-def _(z, weight, bias, running_mean, running_var, momentum, eps):
-    out, *rest = _bn_blocks_fake(z, weight, bias, running_mean, running_var, momentum, eps)
-    return out, torch.empty_like(z[0], dtype=torch.bool), *rest
-
-
-def _bn_relu_blocks_setup(ctx, inputs, output):
-    _bn_blocks_setup(ctx, inputs, (output[0], *output[2:]), output[1])
-    ctx.mark_non_differentiable(*output[1:])
-
-
-def _bn_relu_blocks_backward(ctx, grad, *_grads):
-    """Relu's backward ``keep * g``, then :func:`_bn_blocks_backward`'s."""
-    if grad is None:
-        return None, None, None, None, None, None, None
-    saved = ctx.saved_tensors  # read once (a checkpoint unpacks each saved tensor once)
-    return _bn_blocks_grad(ctx, _masked(grad, saved[6]), saved)
-
-
-_register_autograd(batch_norm_relu_blocks, _bn_relu_blocks_backward, _bn_relu_blocks_setup)
-
-
 _gn_backward = torch.ops.aten.native_group_norm_backward.default
 
 
@@ -508,7 +183,7 @@ def _gn_dims(a: torch.Tensor, groups: int):
     return n, c, a.numel() // (n * c) if n * c else 0
 
 
-@_operator("group_norm_tangent")
+@custom_operator("group_norm_tangent")
 def group_norm_tangent(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
                        rstd: torch.Tensor, groups: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GroupNorm's tangents ``t_j = gamma * r * (d_j - mean(d_j) - xhat * mean(d_j * xhat))`` (means over each
@@ -523,12 +198,12 @@ def group_norm_tangent(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.
         dg = dj.reshape(n, groups, -1)
         sdx.append((dg * xg).sum(-1).to(mean.dtype))
         sd.append(dg.sum(-1).to(mean.dtype))
-    return _stacked(ts), _stacked(sdx), _stacked(sd)
+    return stacked(ts), stacked(sdx), stacked(sd)
 
 
 @group_norm_tangent.register_fake
 def _(d, a, weight, mean, rstd, groups, eps):
-    return _fake_tangent_and_sums(d, a, weight, mean, rstd, groups)
+    return fake_tangent_and_sums(d, a, weight, mean, rstd, groups)
 
 
 def group_norm_tangent_composite(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], groups: int,
@@ -595,16 +270,16 @@ def _group_tangent_grads(grad, d, a, weight, mean, rstd, sum_dx, sum_d, groups):
             r_c, mu_c, dbar_c, cc_c = rc(rstd), rc(mean), rc(sum_d[j] / m), rc(sum_dx[j] / m)
             p_gx = r_c * (p_ga - mu_c * p_g)
             grad_w += (r_c * (p_gd - dbar_c * p_g - cc_c * p_gx)).sum(0).to(weight.dtype)
-    return _stacked(grad_d), grad_a.reshape(a.shape).to(a.dtype), grad_w
+    return stacked(grad_d), grad_a.reshape(a.shape).to(a.dtype), grad_w
 
 
-_register_autograd(group_norm_tangent, _gn_tangent_backward, _keeping(2, sums=True))
+register_autograd(group_norm_tangent, _gn_tangent_backward, keeping_inputs(2, sums=True))
 
 
 _ln_backward = torch.ops.aten.native_layer_norm_backward.default
 
 
-@_operator("layer_norm_tangent")
+@custom_operator("layer_norm_tangent")
 def layer_norm_tangent(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
                        rstd: torch.Tensor, normalized_shape: List[int], eps: float) -> torch.Tensor:
     """LayerNorm's tangents ``t_j = gamma * r * (d_j - mean(d_j) - xhat * mean(d_j * xhat))`` (means over each row's
@@ -612,7 +287,7 @@ def layer_norm_tangent(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.
     ``a``): the LayerNorm backward kernel (no weight) applied to each ``d_j``, times ``gamma``. The product is
     part of the operator, so nothing but ``d`` and ``a`` is kept for backward (the plain step keeps the 2B input)."""
     ts = [_ln_backward(dj, a, normalized_shape, mean, rstd, None, None, [True, False, False])[0] for dj in d]
-    return _stacked(ts if weight is None else [t.mul_(weight) for t in ts])
+    return stacked(ts if weight is None else [t.mul_(weight) for t in ts])
 
 
 @layer_norm_tangent.register_fake
@@ -631,10 +306,10 @@ def _ln_tangent_backward(ctx, grad):
 
     (``L = r <G, P(d_j)>`` per row; ``r`` and ``xhat`` are the functions of ``a`` that carry its derivative: two
     LayerNorm backward kernels, three row dot products scaled in one ``(3, rows)`` product and three passes over
-    the rows per tangent: 1.2x faster on this CPU than the form expanded in ``d``, ``g``, ``xhat`` with ~15 kernels
-    fewer on a GPU). Under ``create_graph``: autograd of the tangent's primitive-op form with statistics recomputed
-    from ``a`` (exact at every order; torch's double backward of ``native_layer_norm_backward`` holds the statistics
-    fixed in its own derivative)."""
+    the rows per tangent: faster than the form expanded in ``d``, ``g``, ``xhat``, and fewer kernels on a GPU). Under
+    ``create_graph``: autograd of the tangent's primitive-op form with statistics recomputed from ``a`` (exact at
+    every order; torch's double backward of ``native_layer_norm_backward`` holds the statistics fixed in its own
+    derivative)."""
     if grad is None:
         return None, None, None, None, None, None, None
     d, a, weight, mean, rstd = ctx.saved_tensors
@@ -673,7 +348,7 @@ def _ln_tangent_backward(ctx, grad):
             grad_a = ga if grad_a is None else grad_a.add_(ga)
     grad_a = None if grad_a is None else grad_a.reshape(a.shape)
     grad_w = None if grad_w is None else grad_w.reshape(weight.shape).to(weight.dtype)
-    return _stacked(grad_d), grad_a, grad_w, None, None, None, None
+    return stacked(grad_d), grad_a, grad_w, None, None, None, None
 
 
 def layer_norm_tangent_composite(d: torch.Tensor, a: torch.Tensor, weight: Optional[torch.Tensor], dims: int,
@@ -687,7 +362,7 @@ def layer_norm_tangent_composite(d: torch.Tensor, a: torch.Tensor, weight: Optio
     return t if weight is None else t * weight
 
 
-_register_autograd(layer_norm_tangent, _ln_tangent_backward, _keeping(2, sums=False))
+register_autograd(layer_norm_tangent, _ln_tangent_backward, keeping_inputs(2, sums=False))
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, m: Optional[torch.Tensor], sc: float,
@@ -722,7 +397,7 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     ds = None
     if dq is not None and dk is not None and k.shape[-2] > 2 * q.shape[-1]:
         # long keys: the scale on the L x E side and one product for both terms, no L x S pass but the product's
-        # (0.8x the step of a ViT with 257 tokens; with few keys the two concatenations cost more than they save)
+        # (with few keys the two concatenations cost more than they save)
         left = torch.cat([dq, q.expand_as(dq)], -1) * sc
         ds = left @ torch.cat([k.expand_as(dk), dk], -1).transpose(-2, -1)
     else:
@@ -743,24 +418,21 @@ def linearised_attention(p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         dpv = (dp if keep is None else dp * keep) @ v
     if blocks is not None:  # [(P M) v; (P M) z_j]: one product per value block (one product of P with all of
         first, *rest = (pd @ z for z in blocks.unbind(0))  # them would keep a copy of P per block for backward)
-        rest = _stacked(rest) if dpv is None else _stacked(rest) + dpv
-        return stack_blocks(first, rest)
+        rest = stacked(rest) if dpv is None else stacked(rest) + dpv
+        return assemble(first, blocks=rest)
     out_a = pd @ v
-    return tile(out_a, kk) if dpv is None else stack_blocks(out_a, out_a + dpv)
+    return assemble(out_a, k=kk) if dpv is None else assemble(out_a, dpv)
 
 
 # Entries of one block's P from which the rule runs the recomputing operator: 0, every attention under autograd, so
-# that the rule keeps what fused attention keeps (its inputs), not three L x S tensors. Measured on this CPU (regularized
-# training step of a 4-layer ViT, dim 64, captured engine, interleaved medians): 257 tokens at batch 8, 0.89x the step
-# time of the composite, which keeps P, dS, dP (an earlier engine had it 1.3x); 65 tokens at batch 32, 1.00x; 17 tokens
-# at batch 32 (P small beside the L x E activations), 1.09x, with 1.99x the plain step's saved-for-backward bytes
-# instead of 2.22x (the plain step on the doubled batch: 2.00x). Raise it (``float("inf")``: never) to trade that
-# memory for the 9% where sequences are short.
+# that the rule keeps what fused attention keeps (its inputs), not three L x S tensors: faster where P is large, about
+# as fast at moderate lengths, a little slower where sequences are short and P is small beside the L x E activations
+# (experiments/results/bench_train_cpu_attention_recomputed.md, rules_measurements.md). Raise it
+# (``float("inf")``: never) to trade that memory for the time where sequences are short.
 ATTENTION_RECOMPUTE_NUMEL = 0
 # The same in programs for ``engine="compiled"``, where Inductor fuses the composite (and its partitioner chooses what
-# to keep): 2^24 (64 MiB of float32 per L x S tensor). The 17-token ViT's compiled step took 1.08x the time with the
-# operator at every size; the 257-token ViT's at batch 8 (2^21 entries of P) 1.2x (220-227 against 180-185 ms, `bench
-# train`, two fresh processes each) for a live-tensor peak of 139 MiB instead of 225 MiB (lower it to trade the time).
+# to keep): 2^24. There the operator costs time at every size, for a lower
+# live-tensor peak (experiments/results/rules_measurements.md): lower it to trade the time for that memory.
 COMPILED_ATTENTION_RECOMPUTE_NUMEL = 1 << 24
 
 
@@ -773,11 +445,11 @@ def attention_recomputed(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> b
         return False
     n = q.shape[-2] * k.shape[-2]
     for a, b in itertools.zip_longest(reversed(q.shape[:-2]), reversed(k.shape[:-2]), fillvalue=1):
-        n *= max(a, b)  # the broadcast batch dims (torch.broadcast_shapes takes ~0.2 ms a call)
+        n *= max(a, b)  # the broadcast batch dims (torch.broadcast_shapes is slow for a check per call)
     return n >= (COMPILED_ATTENTION_RECOMPUTE_NUMEL if compiling() else ATTENTION_RECOMPUTE_NUMEL) and applies(x)
 
 
-@_operator("attention_blocks")
+@custom_operator("attention_blocks")
 def attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Optional[torch.Tensor],
                      dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], mask: Optional[torch.Tensor], scale: float,
                      causal: bool, kk: int) -> torch.Tensor:
@@ -804,13 +476,12 @@ def _keep_attention_inputs(ctx, inputs, output):
 
 # Entries of one block's P that the recomputing operator's backward differentiates at once on the CPU: above it the
 # backward runs over chunks of the leading batch dim, so that the L x S tensors it recomputes (P, dS, dP for every
-# block, and their gradients) live for one chunk at a time. Measured on this CPU (regularized step of a 4-layer ViT
-# with 257 tokens at batch 8, 1 thread): live-tensor peak 146 -> 84 MiB (plain step on the doubled batch: 54 MiB), RSS
-# peak 266 -> 168 MiB; step time 232-263 ms against 315-348 ms (`bench train --methods plain_2b,clone`, fresh
-# processes; plain 2B 119-125 ms): smaller temporaries. ``float("inf")``: the whole batch at once.
+# block, and their gradients) live for one chunk at a time: a lower live-tensor peak, and smaller temporaries make the
+# step faster too (experiments/results/bench_train_cpu_attention_chunked.md). ``float("inf")``: the whole batch at
+# once.
 ATTENTION_BACKWARD_CHUNK_NUMEL = 1 << 20
-# The same on accelerators, where each chunk launches the backward's kernels again (~40): 2^24 (64 MiB of float32
-# per L x S tensor; a ViT-B/16 at batch 32 runs in one chunk, at batch 128 in four).
+# The same on accelerators, where each chunk launches the backward's kernels again: 2^24 (a ViT-B/16 at batch 32 runs
+# in one chunk, at batch 128 in four).
 ACCELERATOR_ATTENTION_BACKWARD_CHUNK_NUMEL = 1 << 24
 _BLOCKED = (3, 4, 5)  # blocks, dq, dk: (K or K-1, *batch, L, E); q, k, v, mask: (*batch, L, E)
 
@@ -855,8 +526,8 @@ def _block_sum(x: torch.Tensor) -> torch.Tensor:
 
 def _attention_grads(q, k, v, blocks, dq, dk, mask, sc, causal, kk, g, wanted):
     """First-order gradients of ``L = sum_j <g_j, out_j>`` for :func:`_attention`'s inputs numbered in ``wanted``,
-    written out (no graph): 39 kernels for a ViT's self-attention with a transposed output gradient where autograd of
-    the recomputed attention launched 50, and 0.88x the time of a small ViT's regularized step on this CPU.
+    written out (no graph): fewer kernels than autograd of the recomputed attention launches, and a faster step
+    (experiments/results/bench_train_cpu_attention_written_out.md).
     With ``out_0 = P z_0``, ``out_j = P z_j + dP_j v`` (``z_j`` the value blocks, or ``v``), ``dP_j = P (dS_j -
     c_j)``, ``c_j = rowsum(P dS_j)``, ``H_j = g_j v^T``, ``r_j = rowsum(P H_j)``:
 
@@ -959,4 +630,4 @@ def _attention_backward(ctx, grad):
     return tuple(out)
 
 
-_register_autograd(attention_blocks, _attention_backward, _keep_attention_inputs)
+register_autograd(attention_blocks, _attention_backward, _keep_attention_inputs)

@@ -9,34 +9,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from jvpreg.clone.eager.dispatch import fallback
 from jvpreg.clone.core.registry import maybe
+from jvpreg.clone.core.tensor import is_clone, neg_dim
+from jvpreg.clone.eager.dispatch import fallback
+from jvpreg.clone.rules.blocks import assemble, primal, split
+from jvpreg.clone.rules.cpa import extremum
 from jvpreg.clone.rules.kinds import register_rule
-from jvpreg.clone.core.tensor import block_delta, is_clone, neg_dim, stack_blocks
-from jvpreg.clone.rules.cpa import _extremum
 
 T = torch.Tensor
 
 
 def gather_blocks(x: torch.Tensor, out_a: torch.Tensor, idx: torch.Tensor, nsp: int) -> torch.Tensor:
     """Stack ``out_a`` with every tangent block gathered at the primal's flat spatial indices."""
-    b = x[1:]
+    _, b = split(x, differences=False)
     k1 = b.shape[0]
     src = b.flatten(-nsp) if nsp > 1 else b
     ind = idx.flatten(-nsp) if nsp > 1 else idx
     ind = ind.unsqueeze(0).expand(k1, *ind.shape)
     got = src.gather(-1, ind).reshape(k1, *out_a.shape)
-    return stack_blocks(out_a, got)
+    return assemble(out_a, blocks=got)
 
 
 def _max_pool_rule(nsp: int):
     with_idx = getattr(F, f"max_pool{nsp}d_with_indices")
 
     def rule(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-        out_a, idx = with_idx(input[0], kernel_size, stride, padding, dilation, ceil_mode, return_indices=True)
+        out_a, idx = with_idx(primal(input), kernel_size, stride, padding, dilation, ceil_mode, return_indices=True)
         out = gather_blocks(input, out_a, idx, nsp)
-        return (out, idx.unsqueeze(0).expand(out.shape[0], *idx.shape).clone()) if return_indices else out
+        return (out, assemble(idx, k=out.shape[0])) if return_indices else out
 
+    rule.__name__ = rule.__qualname__ = f"max_pool{nsp}d"
     rule.__doc__ = f"max_pool{nsp}d(z) = z gathered at argmax(a) (indices from the primal block)."
     return rule
 
@@ -45,10 +47,11 @@ def _adaptive_max_rule(nsp: int):
     with_idx = getattr(F, f"adaptive_max_pool{nsp}d_with_indices")
 
     def rule(input, output_size, return_indices=False):
-        out_a, idx = with_idx(input[0], output_size, return_indices=True)
+        out_a, idx = with_idx(primal(input), output_size, return_indices=True)
         out = gather_blocks(input, out_a, idx, nsp)
-        return (out, idx.unsqueeze(0).expand(out.shape[0], *idx.shape).clone()) if return_indices else out
+        return (out, assemble(idx, k=out.shape[0])) if return_indices else out
 
+    rule.__name__ = rule.__qualname__ = f"adaptive_max_pool{nsp}d"
     rule.__doc__ = f"adaptive_max_pool{nsp}d(z) = z gathered at argmax(a)."
     return rule
 
@@ -68,43 +71,37 @@ def _max_min(input, dim=None, keepdim=False, *, op):
     """torch.max/min: over a dim -> (values gathered at the primal argmax, indices);
     full reduction -> mean of the tied entries; with a tensor second argument -> maximum/minimum."""
     if torch.is_tensor(dim):  # binary form max(x, y)
-        return _extremum(input, dim, torch.maximum if op is torch.max else torch.minimum)
+        return extremum(input, dim, torch.maximum if op is torch.max else torch.minimum)
     if not is_clone(input):
         return fallback(op, (input,) + (() if dim is None else (dim, keepdim)), {})
-    a = input[0]
+    a = primal(input)
+    ret = torch.return_types.max if op is torch.max else torch.return_types.min
     if dim is None:
         return _even_ties(input, op(a), dims=None, keepdim=False)
     if a.dim() == 0:  # over the only "dim" of a scalar: the value itself, index 0
         values, indices = op(a, dim, keepdim)
-        idx = indices.unsqueeze(0).expand(input.shape[0]).clone()
-        ret = torch.return_types.max if op is torch.max else torch.return_types.min
-        return ret((input.clone(), idx))
+        return ret((assemble(every_block=input.clone()), assemble(indices, k=input.shape[0])))
     values, indices = op(a, dim, keepdim)
     nd = neg_dim(dim, a.dim())
     ind = indices if keepdim else indices.unsqueeze(nd)
-    k1 = input.shape[0] - 1
-    got = input[1:].gather(nd, ind.unsqueeze(0).expand(k1, *ind.shape))
+    _, blocks = split(input, differences=False)
+    got = blocks.gather(nd, ind.unsqueeze(0).expand(blocks.shape[0], *ind.shape))
     if not keepdim:
         got = got.squeeze(nd)
-    vals = stack_blocks(values, got)
-    idx = indices.unsqueeze(0).expand(vals.shape[0], *indices.shape).clone()
-    return torch.return_types.max((vals, idx)) if op is torch.max else torch.return_types.min((vals, idx))
+    vals = assemble(values, blocks=got)
+    return ret((vals, assemble(indices, k=vals.shape[0])))
 
 
 def _even_ties(x, out_a, dims, keepdim):
     """Tangent of amax/amin: mean of the tangent over the entries tied with the extremum."""
-    a = x[0]
+    a, d = split(x)
     if dims is None:
         mask = (a == out_a).to(a.dtype)
-        d = block_delta(x[1:], a)
-        t = (d * mask).reshape(d.shape[0], -1).sum(1) / mask.sum()
-        return stack_blocks(out_a, out_a + t)
-    nds = tuple(neg_dim(d, a.dim()) for d in dims)
+        return assemble(out_a, (d * mask).reshape(d.shape[0], -1).sum(1) / mask.sum())
+    nds = tuple(neg_dim(nd, a.dim()) for nd in dims)
     ref = out_a if keepdim else _unsqueeze_all(out_a, nds, a.dim())
     mask = (a == ref).to(a.dtype)
-    d = block_delta(x[1:], a)
-    t = (d * mask).sum(nds, keepdim=keepdim) / mask.sum(nds, keepdim=keepdim)
-    return stack_blocks(out_a, out_a + t)
+    return assemble(out_a, (d * mask).sum(nds, keepdim=keepdim) / mask.sum(nds, keepdim=keepdim))
 
 
 def _unsqueeze_all(t, nds, ndim):
@@ -125,15 +122,17 @@ def min(input, dim=None, keepdim=False):
 
 def _amax_amin(op):
     def rule(input, dim=(), keepdim=False):
-        a = input[0]
+        a = primal(input)
         out_a = op(a, dim, keepdim)
         if a.dim() == 0:  # a scalar is its own extremum
-            return input.clone()
+            return assemble(every_block=input.clone())
         dims = None if dim in ((), [], None) else ((dim,) if isinstance(dim, int) else tuple(dim))
         if dims is None:
             return _even_ties(input, out_a, None, False) if not keepdim else _keep_full(input, out_a)
         return _even_ties(input, out_a, dims, keepdim)
 
+    rule.__name__ = rule.__qualname__ = op.__name__
+    rule.__doc__ = f"{op.__name__}(z): the mean of the tangent over the entries tied with the primal's extremum."
     return rule
 
 

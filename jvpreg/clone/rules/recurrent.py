@@ -22,8 +22,10 @@ import torch.nn.functional as F
 
 from torch._C import DisableTorchFunctionSubclass
 
-from jvpreg.clone.core.registry import register_handler, register_op
-from jvpreg.clone.core.tensor import compiling, is_clone, stack_blocks, wrap
+from jvpreg.clone.core.registry import register_op
+from jvpreg.clone.core.tensor import compiling, is_clone, raw, wrap
+from jvpreg.clone.rules.blocks import as_batch, assemble, split
+from jvpreg.clone.rules.kinds import composite
 
 
 def _cell(mode, x_proj, h, w_hh, b_hh, w_hr=None):
@@ -112,20 +114,20 @@ def _lstm_step(gates, c, w_hr):
     """One LSTM step on physical blocks (``gates``: ``(K, B, 4H)``, ``c``: ``(K, B, H)``), every nonlinearity
     linearised at the primal block: ``c' = s(f) c + s(i) tanh(g)``, ``h' = s(o) tanh(c')`` and their tangents
     ``dc' = s'(f) df c + s(f) dc + s'(i) di tanh(g) + s(i) tanh'(g) dg``, ``dh' = s'(o) do tanh(c') + s(o) tanh'(c') dc'``."""
-    g0, d = gates[0], gates[1:] - gates[0]
+    g0, d = split(gates, nonfinite=False)
     sg, dsg = _slope_sigmoid(g0)
     si, sf, _, so = sg.chunk(4, -1)
     dsi, dsf, _, dso = dsg.chunk(4, -1)
     di, df, dg, do = d.chunk(4, -1)
     tg = torch.tanh(g0[..., 2 * c.shape[-1]:3 * c.shape[-1]])
-    c0, dc = c[0], c[1:] - c[0]
+    c0, dc = split(c, nonfinite=False)
     c0n = sf * c0 + si * tg
     dcn = (dsf * c0) * df + sf * dc + (dsi * tg) * di + (si * (1 - tg * tg)) * dg
     tc = torch.tanh(c0n)
     h0n = so * tc
     dhn = (dso * tc) * do + (so * (1 - tc * tc)) * dcn
-    h = stack_blocks(h0n, h0n + dhn)
-    return (h if w_hr is None else F.linear(h, w_hr)), stack_blocks(c0n, c0n + dcn)
+    h = assemble(h0n, dhn)
+    return (h if w_hr is None else F.linear(h, w_hr)), assemble(c0n, dcn)
 
 
 def _gru_step(xp, h, w_hh, b_hh):
@@ -134,27 +136,27 @@ def _gru_step(xp, h, w_hh, b_hh):
     gh = F.linear(h, w_hh, b_hh)
     xr, xz, xn = xp.chunk(3, -1)
     hr, hz, hn = gh.chunk(3, -1)
-    pr, pz = xr + hr, xz + hz
-    r0, dr0 = _slope_sigmoid(pr[0])
-    z0, dz0 = _slope_sigmoid(pz[0])
-    dr, dz = dr0 * (pr[1:] - pr[0]), dz0 * (pz[1:] - pz[0])
-    hn0 = hn[0]
-    pn0 = xn[0] + r0 * hn0
+    (pr0, dpr), (pz0, dpz) = split(xr + hr, nonfinite=False), split(xz + hz, nonfinite=False)
+    r0, dr0 = _slope_sigmoid(pr0)
+    z0, dz0 = _slope_sigmoid(pz0)
+    dr, dz = dr0 * dpr, dz0 * dpz
+    (hn0, dhn0), (xn0, dxn) = split(hn, nonfinite=False), split(xn, nonfinite=False)
+    pn0 = xn0 + r0 * hn0
     n0 = torch.tanh(pn0)
-    dn = (1 - n0 * n0) * ((xn[1:] - xn[0]) + dr * hn0 + r0 * (hn[1:] - hn0))
-    h0 = h[0]
+    dn = (1 - n0 * n0) * (dxn + dr * hn0 + r0 * dhn0)
+    h0, dh = split(h, nonfinite=False)
     h0n = (1 - z0) * n0 + z0 * h0
-    dhn = dz * (h0 - n0) + (1 - z0) * dn + z0 * (h[1:] - h0)
-    return stack_blocks(h0n, h0n + dhn)
+    return assemble(h0n, dz * (h0 - n0) + (1 - z0) * dn + z0 * dh)
 
 
 def _elman_step(pre, mode):
     """One Elman step on physical blocks: relu through its fused backward kernel (mask of the primal block),
     tanh linearised at the primal block."""
+    a, d = split(pre, nonfinite=False)
     if mode == "rnn_relu":
-        return torch.ops.aten.threshold_backward(pre, pre[0].expand_as(pre), 0)
-    o = torch.tanh(pre[0])
-    return stack_blocks(o, o + (1 - o * o) * (pre[1:] - pre[0]))
+        return assemble(every_block=torch.ops.aten.threshold_backward(pre, a.expand_as(pre), 0))
+    o = torch.tanh(a)
+    return assemble(o, (1 - o * o) * d)
 
 
 def _rows(t: torch.Tensor) -> tuple:
@@ -181,7 +183,7 @@ def _lstm_layer(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, reverse):
     ``dh_t = A_o do_t + s(o_t) tanh'(c_t) dc_t`` with the slopes ``A`` of every step computed at once."""
     if reverse:
         x = x.flip(1)
-    x0, h0, c0 = x[0], h[0], c[0]
+    (x0, dx_in), (h0, dh), (c0, dc) = (split(t, nonfinite=False) for t in (x, h, c))
     weights = [w for w in (w_ih, w_hh, b_ih, b_hh, w_hr) if w is not None]
     out0, hT, cT = torch.lstm(x0, (h0[None], c0[None]), weights, b_ih is not None, 1, 0.0, False, False, False)
     # (1, B, H) -> (B, H) by shape, not by index: torch 2.11's pre-dispatch tracer records the final states of a
@@ -206,9 +208,9 @@ def _lstm_layer(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, reverse):
     dsi, dsf, _, dso = dsg.chunk(4, -1)
     slopes = torch.cat([dsi * tg, dsf * c_prev, si * (1 - tg * tg), dso * tc], -1)  # per gate, every step
     carry = so * (1 - tc * tc)
-    dx = F.linear(x[1:] - x0, w_ih)                                              # (K-1, T, B, 4H)
+    dx = F.linear(dx_in, w_ih)                                                   # (K-1, T, B, 4H)
     k1, w_t = dx.shape[0], w_hh.t()
-    dh, dc = (h[1:] - h0).reshape(-1, h0.shape[-1]), (c[1:] - c0).reshape(-1, hid)
+    dh, dc = dh.reshape(-1, h0.shape[-1]), dc.reshape(-1, hid)
     dhs = []
     per_step = (_rows(dx), *(_step_rows(t, k1) for t in (slopes, sf, carry)))
     for dx_t, slope_t, sf_t, carry_t in zip(*per_step):
@@ -219,10 +221,10 @@ def _lstm_layer(x, h, c, w_ih, w_hh, b_ih, b_hh, w_hr, reverse):
         if w_hr is not None:
             dh = F.linear(dh, w_hr)
         dhs.append(dh)
-    out = stack_blocks(out0, out0 + _unrows(dhs, k1))
+    out = assemble(out0, _unrows(dhs, k1))
     if reverse:
         out = out.flip(1)
-    return (out, stack_blocks(hT, hT + dh.view(k1, *hT.shape)), stack_blocks(cT, cT + dc.view(k1, *cT.shape)))
+    return out, assemble(hT, dh.view(k1, *hT.shape)), assemble(cT, dc.view(k1, *cT.shape))
 
 
 def _elman_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
@@ -230,19 +232,19 @@ def _elman_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
     kernel, then only the tangent step by step, ``dh_t = (1 - h_t^2) (dX_t + dh_{t-1} W_hh^T)``."""
     if reverse:
         x = x.flip(1)
-    x0, h0 = x[0], h[0]
+    (x0, dx_in), (h0, dh) = split(x, nonfinite=False), split(h, nonfinite=False)
     weights = [w for w in (w_ih, w_hh, b_ih, b_hh) if w is not None]
     out0, hT = torch.rnn_tanh(x0, h0[None], weights, b_ih is not None, 1, 0.0, False, False, False)
-    dx = F.linear(x[1:] - x0, w_ih)                                              # (K-1, T, B, H)
+    dx = F.linear(dx_in, w_ih)                                                   # (K-1, T, B, H)
     k1, w_t = dx.shape[0], w_hh.t()
-    dh, dhs = (h[1:] - h0).reshape(-1, h0.shape[-1]), []
+    dh, dhs = dh.reshape(-1, h0.shape[-1]), []
     for dx_t, slope_t in zip(_rows(dx), _step_rows(1 - out0 * out0, k1)):
         dh = torch.addmm(dx_t, dh, w_t) * slope_t
         dhs.append(dh)
-    out = stack_blocks(out0, out0 + _unrows(dhs, k1))
+    out = assemble(out0, _unrows(dhs, k1))
     if reverse:
         out = out.flip(1)
-    return out, stack_blocks(hT[0], hT[0] + dh.view(k1, *hT[0].shape))
+    return out, assemble(hT[0], dh.view(k1, *hT[0].shape))
 
 
 def _gru_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
@@ -251,7 +253,7 @@ def _gru_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
     ``dn = tanh'(.) (dX_n + dr (h W_hn^T + b_hn) + r (dh W_hn^T))``, ``dh' = dz (h - n) + (1 - z) dn + z dh``."""
     if reverse:
         x = x.flip(1)
-    x0, h0 = x[0], h[0]
+    (x0, dx_in), (h0, dh) = split(x, nonfinite=False), split(h, nonfinite=False)
     weights = [w for w in (w_ih, w_hh, b_ih, b_hh) if w is not None]
     out0, hT = torch.gru(x0, h0[None], weights, b_ih is not None, 1, 0.0, False, False, False)
     hs = torch.cat([h0[None], out0[:-1]])
@@ -262,9 +264,9 @@ def _gru_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
     ghn = gh[..., 2 * hid:]
     n = torch.tanh(gx[..., 2 * hid:] + r * ghn)
     drz, dn0, hmn, omz = rz * (1 - rz), 1 - n * n, hs - n, 1 - z
-    dx = F.linear(x[1:] - x0, w_ih)                                              # (K-1, T, B, 3H)
+    dx = F.linear(dx_in, w_ih)                                                   # (K-1, T, B, 3H)
     k1, w_rz, w_n = dx.shape[0], w_hh[:2 * hid].t(), w_hh[2 * hid:].t()
-    dh, dhs = (h[1:] - h0).reshape(-1, hid), []
+    dh, dhs = dh.reshape(-1, hid), []
     per_step = (_rows(dx[..., :2 * hid]), _rows(dx[..., 2 * hid:]),
                 *(_step_rows(t, k1) for t in (drz, r, ghn, dn0, hmn, omz, z)))
     for dx_rz, dx_n, drz_t, r_t, ghn_t, dn0_t, hmn_t, omz_t, z_t in zip(*per_step):
@@ -273,17 +275,17 @@ def _gru_layer(x, h, w_ih, w_hh, b_ih, b_hh, reverse):
         dn = torch.addcmul(torch.addcmul(dx_n, r_t, dh @ w_n), dr, ghn_t) * dn0_t
         dh = torch.addcmul(torch.addcmul(dz * hmn_t, omz_t, dn), z_t, dh)
         dhs.append(dh)
-    out = stack_blocks(out0, out0 + _unrows(dhs, k1))
+    out = assemble(out0, _unrows(dhs, k1))
     if reverse:
         out = out.flip(1)
-    return out, stack_blocks(hT[0], hT[0] + dh.view(k1, *hT[0].shape))
+    return out, assemble(hT[0], dh.view(k1, *hT[0].shape))
 
 
 def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """The RNN, LSTM and GRU written directly on the physical blocks (:func:`_elman_step`, :func:`_lstm_step`,
     :func:`_gru_step`): the cell equations with hand-written tangents instead of one clone rule per op and step
-    (the per-step dispatch made the op-by-op path 3-4x a fused forward for the RNN, 10-20x for the LSTM)."""
-    x = input.as_subclass(torch.Tensor)  # (K, *logical)
+    (the per-step dispatch of every op made the op-by-op path many times a fused forward)."""
+    x = raw(input)  # (K, *logical)
     k = x.shape[0]
     if batch_first:
         x = x.transpose(1, 2)
@@ -293,7 +295,7 @@ def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, 
     states = hx if mode == "lstm" else (hx,)
     phys = []
     for st in states:  # (K, L*dirs, B, H); a plain initial state is the same in every block
-        st = st.as_subclass(torch.Tensor) if is_clone(st) else st.expand(k, *st.shape)
+        st = raw(st) if is_clone(st) else as_batch(st, k)
         phys.append(st.unsqueeze(-2) if unbatched else st)
     dirs = 2 if bidirectional else 1
     per = len(params) // (num_layers * dirs)
@@ -333,7 +335,7 @@ def _on_blocks(mode, input, hx, params, has_biases, num_layers, dropout, train, 
             c_n.append(c)
         layer_in = torch.cat(outs, -1) if dirs == 2 else outs[0]
         if dropout and train and layer < num_layers - 1:
-            keep = F.dropout(torch.ones_like(layer_in[0]), dropout, True)
+            keep = F.dropout(torch.ones_like(split(layer_in, differences=False)[0]), dropout, True)
             layer_in = layer_in * keep
     output, hn = layer_in, torch.stack(h_n, 1)
     cn = torch.stack(c_n, 1) if mode == "lstm" else None
@@ -424,10 +426,10 @@ def _run_packed(mode, data, batch_sizes, hx, params, has_biases, num_layers, dro
 def _packed_on_blocks(mode, data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
     """:func:`_run_packed` on the physical blocks (``data``: ``(K, N, F)``), each step through the hand-written
     tangents of :func:`_lstm_step`, :func:`_gru_step` and :func:`_elman_step`, as :func:`_on_blocks` does."""
-    x = data.as_subclass(torch.Tensor)
+    x = raw(data)
     k = x.shape[0]
     states = hx if mode == "lstm" else (hx,)
-    init = [st.as_subclass(torch.Tensor) if is_clone(st) else st.expand(k, *st.shape) for st in states]
+    init = [raw(st) if is_clone(st) else as_batch(st, k) for st in states]
 
     def step(x_rows, state, w_hh, b_hh, w_hr):
         if mode == "lstm":
@@ -437,7 +439,7 @@ def _packed_on_blocks(mode, data, batch_sizes, hx, params, has_biases, num_layer
         return [_elman_step(x_rows + F.linear(state[0], w_hh, b_hh), mode)]
 
     def drop(h):  # one mask for every block
-        return h * F.dropout(torch.ones_like(h[0]), dropout, True)
+        return h * F.dropout(torch.ones_like(split(h, differences=False)[0]), dropout, True)
 
     out, finals = _packed_layers(mode, x, lambda idx: [st[:, idx] for st in init], batch_sizes, params, has_biases,
                                  num_layers, dropout, train, bidirectional, step, 1, drop)
@@ -451,8 +453,8 @@ def _packed(args) -> bool:
     return len(args) > 1 and isinstance(args[1], torch.Tensor) and not args[1].is_floating_point()
 
 
-def _handler(mode):
-    def handler(func, args, kwargs):
+def _recurrent(mode):
+    def rule(*args, **kwargs):
         if _packed(args):
             if is_clone(args[0]) and not kwargs and not any(is_clone(p) for p in args[3]):
                 with DisableTorchFunctionSubclass():
@@ -463,11 +465,14 @@ def _handler(mode):
                 return _on_blocks(mode, *args)
         return _run(mode, *args, **kwargs)
 
-    return handler
+    rule.__name__ = rule.__qualname__ = mode
+    rule.__doc__ = (f"torch.{mode}: the cell equations on the physical blocks where only the input and the initial "
+                    "state carry tangents (:func:`_on_blocks`), else every op through its rule (:func:`_run`).")
+    return rule
 
 
 for _mode in ("rnn_relu", "rnn_tanh", "lstm", "gru"):
-    register_handler(getattr(torch, _mode), reentrant=True)(_handler(_mode))
+    composite(getattr(torch, _mode), own_primal=False)(_recurrent(_mode))
 
 
 @register_op(torch._pack_padded_sequence)
@@ -477,7 +482,7 @@ def pack_padded(func, input, lengths, batch_first):
     if not is_clone(input):
         return func(input, lengths, batch_first)
     with DisableTorchFunctionSubclass():
-        data, sizes = func(input.as_subclass(torch.Tensor).movedim(0, 2), lengths, batch_first)
+        data, sizes = func(raw(input).movedim(0, 2), lengths, batch_first)
         return wrap(data.movedim(1, 0)), sizes
 
 
@@ -487,6 +492,5 @@ def pad_packed(func, data, batch_sizes, batch_first, padding_value, total_length
     if not is_clone(data):
         return func(data, batch_sizes, batch_first, padding_value, total_length)
     with DisableTorchFunctionSubclass():
-        out, lengths = func(data.as_subclass(torch.Tensor).movedim(0, 1), batch_sizes, batch_first, padding_value,
-                            total_length)
+        out, lengths = func(raw(data).movedim(0, 1), batch_sizes, batch_first, padding_value, total_length)
         return wrap(out.movedim(2, 0)), lengths

@@ -11,122 +11,130 @@ is symmetric); log_softmax:
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
-from jvpreg.clone.eager.dispatch import fallback
 from jvpreg.clone.core.registry import maybe
-from jvpreg.clone.rules.kinds import register_rule
-from jvpreg.clone.core.tensor import block_delta, each_block, is_clone, kept_primal, neg_dim, stack_blocks
+from jvpreg.clone.core.tensor import is_clone, neg_dim
+from jvpreg.clone.eager.dispatch import fallback
+from jvpreg.clone.rules.blocks import assemble, each_block, split
+from jvpreg.clone.rules.kinds import register_rule, smooth
 
 T = torch.Tensor
 aten = torch.ops.aten
 
 
-def def_smooth(funcs, inplace=(), *, primal: Callable, doc: str, slope: Callable | None = None,
-               kernel: Callable | None = None):
-    """Register ``out_j = primal(a) + sigma'(a) * d_j`` for an elementwise op, ``d_j = z_j - a``.
-
-    ``kernel(d, a, out_a)``: torch's own backward kernel of the op (``sigmoid_backward(d, out)`` is
-    ``d * sigma'(a)`` in one fused kernel, with its own double backward), called on one block at a
-    time (some CPU kernels refuse broadcasting); else ``slope(a, out_a) * d_j`` in primitive ops.
-    """
-
-    def rule(input, *args, inplace=False, **kwargs):
-        a = kept_primal(input)
-        out_a = primal(a, *args, **kwargs)
-        d = block_delta(input[1:], a)
-        if kernel is not None:
-            tan = each_block(lambda b: kernel(b, a, out_a, *args, **kwargs), d)
-        else:
-            tan = slope(a, out_a, *args, **kwargs) * d
-        return stack_blocks(out_a, out_a + tan)
-
-    rule.__doc__ = doc
-    rule.__name__ = rule.__qualname__ = doc.split("'")[0] if "'" in doc else doc.split("(")[0]
-    return register_rule(*funcs, inplace=inplace, inplace_safe=True)(rule)  # saves no view of its input
+@smooth(torch.sigmoid, T.sigmoid, F.sigmoid, inplace=(torch.sigmoid_, T.sigmoid_), per_block=True)
+def sigmoid(d, a, out):
+    """sigmoid'(a) = s (1 - s)"""
+    return aten.sigmoid_backward(d, out)
 
 
-_sig = torch.sigmoid
-def_smooth([torch.sigmoid, T.sigmoid, F.sigmoid], [torch.sigmoid_, T.sigmoid_], primal=torch.sigmoid,
-           kernel=lambda d, a, o: aten.sigmoid_backward(d, o), doc="sigmoid'(a) = s (1 - s)")
-def_smooth([torch.tanh, T.tanh, F.tanh], [torch.tanh_, T.tanh_], primal=torch.tanh,
-           kernel=lambda d, a, o: aten.tanh_backward(d, o), doc="tanh'(a) = 1 - tanh(a)^2")
-def_smooth([torch.exp, T.exp], [torch.exp_, T.exp_], primal=torch.exp, slope=lambda a, o: o, doc="exp'(a) = exp(a)")
-def_smooth([torch.log, T.log], [torch.log_, T.log_], primal=torch.log, slope=lambda a, o: 1 / a, doc="log'(a) = 1/a")
-def_smooth([torch.sqrt, T.sqrt], [torch.sqrt_, T.sqrt_], primal=torch.sqrt, slope=lambda a, o: 0.5 / o,
-           doc="sqrt'(a) = 1/(2 sqrt(a))")
-def_smooth([torch.rsqrt, T.rsqrt], [torch.rsqrt_, T.rsqrt_], primal=torch.rsqrt, slope=lambda a, o: -0.5 * o ** 3,
-           doc="rsqrt'(a) = -rsqrt(a)^3 / 2")
-def_smooth([torch.reciprocal, T.reciprocal], [torch.reciprocal_, T.reciprocal_], primal=torch.reciprocal,
-           slope=lambda a, o: -o * o, doc="(1/a)' = -1/a^2")
-def_smooth([torch.sin, T.sin], [torch.sin_, T.sin_], primal=torch.sin, slope=lambda a, o: torch.cos(a),
-           doc="sin'(a) = cos(a)")
-def_smooth([torch.cos, T.cos], [torch.cos_, T.cos_], primal=torch.cos, slope=lambda a, o: -torch.sin(a),
-           doc="cos'(a) = -sin(a)")
-def_smooth([torch.square, T.square], [maybe(torch, "square_"), maybe(T, "square_")], primal=torch.square,
-           slope=lambda a, o: 2 * a, doc="square'(a) = 2a")
+@smooth(torch.tanh, T.tanh, F.tanh, inplace=(torch.tanh_, T.tanh_), per_block=True)
+def tanh(d, a, out):
+    """tanh'(a) = 1 - tanh(a)^2"""
+    return aten.tanh_backward(d, out)
+
+
+@smooth(torch.exp, T.exp, inplace=(torch.exp_, T.exp_))
+def exp(d, a, out):
+    """exp'(a) = exp(a)"""
+    return out * d
+
+
+@smooth(torch.log, T.log, inplace=(torch.log_, T.log_))
+def log(d, a, out):
+    """log'(a) = 1/a"""
+    return (1 / a) * d
+
+
+@smooth(torch.sqrt, T.sqrt, inplace=(torch.sqrt_, T.sqrt_))
+def sqrt(d, a, out):
+    """sqrt'(a) = 1/(2 sqrt(a))"""
+    return (0.5 / out) * d
+
+
+@smooth(torch.rsqrt, T.rsqrt, inplace=(torch.rsqrt_, T.rsqrt_))
+def rsqrt(d, a, out):
+    """rsqrt'(a) = -rsqrt(a)^3 / 2"""
+    return (-0.5 * out ** 3) * d
+
+
+@smooth(torch.reciprocal, T.reciprocal, inplace=(torch.reciprocal_, T.reciprocal_))
+def reciprocal(d, a, out):
+    """(1/a)' = -1/a^2"""
+    return (-out * out) * d
+
+
+@smooth(torch.sin, T.sin, inplace=(torch.sin_, T.sin_))
+def sin(d, a, out):
+    """sin'(a) = cos(a)"""
+    return torch.cos(a) * d
+
+
+@smooth(torch.cos, T.cos, inplace=(torch.cos_, T.cos_))
+def cos(d, a, out):
+    """cos'(a) = -sin(a)"""
+    return -torch.sin(a) * d
+
+
+@smooth(torch.square, T.square, inplace=(maybe(torch, "square_"), maybe(T, "square_")))
+def square(d, a, out):
+    """square'(a) = 2a"""
+    return (2 * a) * d
+
+
 # silu_backward and mish_backward have no double backward in torch: their slopes stay in primitive ops
-def_smooth([F.silu], [], primal=F.silu, slope=lambda a, o: _sig(a) * (1 + a * (1 - _sig(a))),
-           doc="silu'(a) = s (1 + a (1 - s))")
-def_smooth([F.logsigmoid, maybe(torch._C._nn, "log_sigmoid")], [], primal=F.logsigmoid,
-           slope=lambda a, o: _sig(-a), doc="logsigmoid'(a) = sigmoid(-a)")
-def_smooth([F.gelu, maybe(torch._C._nn, "gelu")], [maybe(torch._C._nn, "gelu_")], primal=F.gelu,
-           kernel=lambda d, a, o, approximate="none": aten.gelu_backward(d, a, approximate=approximate),
-           doc="gelu'(a) = Phi(a) + a phi(a)")
-def_smooth([F.softplus, maybe(torch._C._nn, "softplus")], [], primal=F.softplus,
-           kernel=lambda d, a, o, beta=1.0, threshold=20.0: aten.softplus_backward(d, a, beta, threshold),
-           doc="softplus'(a) = sigmoid(beta a) (1 above the threshold)")
+@smooth(F.silu)
+def silu(d, a, out):
+    """silu'(a) = s (1 + a (1 - s)), s = sigmoid(a)"""
+    return (torch.sigmoid(a) * (1 + a * (1 - torch.sigmoid(a)))) * d
 
 
-def _elu_primal(a, alpha=1.0, inplace=False):
-    return F.elu(a, alpha)
+@smooth(F.mish, maybe(torch._C._nn, "mish"), inplace=(maybe(torch._C._nn, "mish_"),))
+def mish(d, a, out):
+    """mish'(a) = tanh(sp) + a sigmoid(a) (1 - tanh(sp)^2), sp = softplus(a)"""
+    t = torch.tanh(F.softplus(a))
+    return (t + a * torch.sigmoid(a) * (1 - t * t)) * d
 
 
-def _elu_kernel(d, a, o, alpha=1.0, inplace=False):
+@smooth(F.logsigmoid, maybe(torch._C._nn, "log_sigmoid"))
+def logsigmoid(d, a, out):
+    """logsigmoid'(a) = sigmoid(-a)"""
+    return torch.sigmoid(-a) * d
+
+
+@smooth(F.gelu, maybe(torch._C._nn, "gelu"), inplace=(maybe(torch._C._nn, "gelu_"),), per_block=True)
+def gelu(d, a, out, approximate="none"):
+    """gelu'(a) = Phi(a) + a phi(a)"""
+    return aten.gelu_backward(d, a, approximate=approximate)
+
+
+@smooth(F.softplus, maybe(torch._C._nn, "softplus"), per_block=True)
+def softplus(d, a, out, beta=1.0, threshold=20.0):
+    """softplus'(a) = sigmoid(beta a) (1 above the threshold)"""
+    return aten.softplus_backward(d, a, beta, threshold)
+
+
+@smooth(F.elu, maybe(torch._C._nn, "elu"), inplace=(F.elu_, maybe(torch._C._nn, "elu_")), per_block=True)
+def elu(d, a, out, alpha=1.0):
+    """elu'(a) = 1 (a > 0) | alpha exp(a)"""
     return aten.elu_backward(d, alpha, 1, 1, False, a)
 
 
-def_smooth([F.elu, maybe(torch._C._nn, "elu")], [F.elu_, maybe(torch._C._nn, "elu_")], primal=_elu_primal,
-           kernel=_elu_kernel, doc="elu'(a) = 1 (a > 0) | alpha exp(a)")
-
-
-def _celu_primal(a, alpha=1.0, inplace=False):
-    return F.celu(a, alpha)
-
-
-def _celu_kernel(d, a, o, alpha=1.0, inplace=False):
+@smooth(F.celu, torch.celu, inplace=(maybe(F, "celu_"), torch.celu_), per_block=True)
+def celu(d, a, out, alpha=1.0):
+    """celu'(a) = 1 (a > 0) | exp(a / alpha)"""
     return aten.elu_backward(d, alpha, 1, 1 / alpha, False, a)  # celu(x) = elu(x; alpha, input_scale = 1 / alpha)
 
-
-def_smooth([F.celu, torch.celu], [maybe(F, "celu_"), torch.celu_], primal=_celu_primal, kernel=_celu_kernel,
-           doc="celu'(a) = 1 (a > 0) | exp(a / alpha)")
 
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
 
 
-def _selu_primal(a, inplace=False):
-    return F.selu(a)
-
-
-def _selu_kernel(d, a, o, inplace=False):
+@smooth(F.selu, torch.selu, inplace=(maybe(F, "selu_"), torch.selu_), per_block=True)
+def selu(d, a, out):
+    """selu'(a) = scale (a > 0) | scale alpha exp(a)"""
     return aten.elu_backward(d, _SELU_ALPHA, _SELU_SCALE, 1, False, a)  # selu(x) = scale elu(x; alpha)
-
-
-def_smooth([F.selu, torch.selu], [maybe(F, "selu_"), torch.selu_], primal=_selu_primal, kernel=_selu_kernel,
-           doc="selu'(a) = scale (a > 0) | scale alpha exp(a)")
-
-
-@register_rule(F.mish, maybe(torch._C._nn, "mish"), inplace=(maybe(torch._C._nn, "mish_"),))
-def mish(input, inplace=False):
-    """mish'(a) = tanh(sp) + a sigmoid(a) (1 - tanh(sp)^2), sp = softplus(a)."""
-    a = input[0]
-    t = torch.tanh(F.softplus(a))
-    out_a = a * t
-    s = t + a * torch.sigmoid(a) * (1 - t * t)
-    return stack_blocks(out_a, out_a + s * block_delta(input[1:], a))
 
 
 @register_rule(torch.pow, T.pow, T.__pow__, inplace=(T.pow_, T.__ipow__), inplace_kwarg=None)
@@ -134,10 +142,10 @@ def pow(input, exponent):
     """(a^e)' = e a^(e-1) for a constant exponent; other cases use the exact fallback."""
     if not is_clone(input) or (is_clone(exponent) and not exponent._jvp_state) or torch.is_tensor(exponent):
         return fallback(torch.pow, (input, exponent), {})
-    a = input[0]
+    a, d = split(input)
     out_a = torch.pow(a, exponent)
     s = exponent * torch.pow(a, exponent - 1) if exponent != 0 else torch.zeros_like(a)
-    return stack_blocks(out_a, out_a + s * block_delta(input[1:], a))
+    return assemble(out_a, s * d)
 
 
 def _softmax_args(args, kwargs, ndim):
@@ -153,22 +161,19 @@ def _softmax_args(args, kwargs, ndim):
 
 def _softmax(log: bool, safe: bool = False):
     def rule(input, *args, **kwargs):
-        a = input[0]
-        dim, dtype = _softmax_args(args, kwargs, a.dim())
-        x = input if dtype is None else input.to(dtype)
-        a = x[0]
-        d = block_delta(x[1:], a)
+        dim, dtype = _softmax_args(args, kwargs, input.dim() - 1)
+        a, d = split(input if dtype is None else input.to(dtype))
         if log:
             out_a = torch.log_softmax(a, dim)
             p = out_a.exp()
-            tan = out_a + d - (p * d).sum(dim, keepdim=True)
-        else:  # softmax's Jacobian is symmetric: its backward kernel applied to d_j is J d_j
-            out_a = aten._safe_softmax(a, dim) if safe else torch.softmax(a, dim)  # safe: 0 on all -inf rows
-            # (out_a's dtype, not a's: CUDA's autocast runs softmax in float32, and the kernel takes one dtype)
-            tan = out_a + each_block(lambda b: aten._softmax_backward_data(b.to(out_a.dtype), out_a, dim, out_a.dtype),
-                                     d)
-        return stack_blocks(out_a, tan)
+            return assemble(out_a, d - (p * d).sum(dim, keepdim=True))
+        # softmax's Jacobian is symmetric: its backward kernel applied to d_j is J d_j
+        out_a = aten._safe_softmax(a, dim) if safe else torch.softmax(a, dim)  # safe: 0 on all -inf rows
+        # (out_a's dtype, not a's: CUDA's autocast runs softmax in float32, and the kernel takes one dtype)
+        return assemble(out_a, each_block(lambda b: aten._softmax_backward_data(b.to(out_a.dtype), out_a, dim,
+                                                                                out_a.dtype), d))
 
+    rule.__name__ = rule.__qualname__ = "log_softmax" if log else ("safe_softmax" if safe else "softmax")
     rule.__doc__ = ("log_softmax: out_j = out_a + d_j - sum(p d_j)" if log
                     else "softmax: out_j = p + p (d_j - sum(p d_j))")
     return rule

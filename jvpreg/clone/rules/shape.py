@@ -1,14 +1,14 @@
-"""Fast paths for ops that need no rule: queries, affine, shape and state ops.
+"""Fast paths for ops that need no rule: queries, whole-tensor ops, shape ops, indexing and writes, state ops.
 
-An affine op (linear, convolution, pooling by averaging, sums, reshapes, concatenation...)
-acts on every block as it does on the primal, so the difference form needs nothing but
-the right placement of the block dim: logical dim ``d`` is physical dim ``d + 1``, and
-ops that treat dim 0 as a batch (convolutions, pooling) run once on the merged
-``(K*B, ...)`` batch — the paper's single concatenated forward.
+A query (``x.shape``, ``x.dtype``, ``x.item()``) is answered on the primal block, so user code sees the logical
+tensor. A shape op (reshapes, permutes, concatenation, indexing, padding) moves entries the same way in every block,
+so the difference form needs nothing but the right placement of the block dim: logical dim ``d`` is physical dim
+``d + 1``. A write (``t[i] = h``, ``copy_``) lands block by block. A state op (comparisons, argmax, random draws) has
+piecewise-constant outputs: evaluated on the primal block and repeated. Affine ops: :mod:`jvpreg.clone.rules.linear`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +16,13 @@ from torch.utils._pytree import tree_unflatten
 
 from jvpreg.clone.core import tensor as tensor_module
 from jvpreg.clone.core.errors import CaptureError, UnsupportedOpError
-from jvpreg.clone.eager.dispatch import NOT_STATE, _flat_clones, fallback, per_block, state_eval, state_write
-from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse
 from jvpreg.clone.core.registry import COMPLEX_EXACT, HANDLERS, maybe, op_name, register_handler, register_op
+from jvpreg.clone.core.tensor import (METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, wrap,
+    wrap_tree)
+from jvpreg.clone.eager.dispatch import NOT_STATE, fallback, flat_clones, state_eval, state_write
+from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse
+from jvpreg.clone.rules.blocks import as_batch, assemble, count, primal, split
 from jvpreg.clone.rules.kinds import register_state
-from jvpreg.clone.core.tensor import (_METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, tile,
-    varies, wrap, wrap_tree)
-from jvpreg.clone.eager.writes import write_back
 
 T = torch.Tensor
 
@@ -47,10 +47,10 @@ def _state_of(*xs: Any) -> bool:
 def _query(func, args, kwargs):
     x = args[0] if args else None
     if type(x) is CloneTensor and not any_clone(args[1:], kwargs):
-        return func(x[0], *args[1:], **kwargs)
-    flat, spec, idx = _flat_clones(args, kwargs)
+        return func(primal(x), *args[1:], **kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     for i in idx:
-        flat[i] = flat[i][0]
+        flat[i] = primal(flat[i])
     a, k = tree_unflatten(flat, spec)
     return func(*a, **k)
 
@@ -66,7 +66,7 @@ _QUERY_GETTERS = ["shape", "ndim", "dtype", "device", "is_cuda", "layout", "is_s
 register_handler(*[maybe(T, n) for n in _QUERY_ATTRS], torch.numel, maybe(torch, "is_floating_point"),
                  maybe(torch, "is_complex"), maybe(torch, "is_nonzero"))(_query)
 register_handler(*[getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n)])(_query)
-_METADATA.update(getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n))
+METADATA.update(getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n))
 
 
 @register_handler(T._base.__get__)
@@ -173,15 +173,15 @@ def _real_imag(func, args, kwargs):
 def _detach(func, args, kwargs):
     """``detach()`` makes a constant: the primal value in every block (zero tangent), as in torch.func."""
     x = args[0]
-    return wrap(tile(x[0].detach(), x.shape[0]), state=True)
+    return wrap(assemble(primal(x).detach(), k=count(x)), state=True)
 
 
 def _as_template(func, args, kwargs):
     """``t.to(h)``, ``t.type_as(h)``: a clone argument other than the input only lends its dtype and device
     (its primal block stands in for it); the input keeps its blocks, or stays plain."""
     x = args[0]
-    rest = tuple(a[0] if is_clone(a) else a for a in args[1:])
-    kw = {k: (v[0] if is_clone(v) else v) for k, v in kwargs.items()}
+    rest = tuple(primal(a) for a in args[1:])
+    kw = {k: primal(v) for k, v in kwargs.items()}
     if not is_clone(x):
         return func(x, *rest, **kw)
     phys = x.as_subclass(torch.Tensor)
@@ -201,170 +201,10 @@ def _detach_(func, args, kwargs):
     x = args[0]
     x.detach_()
     with torch.no_grad():
-        x[1:] = x[0]
+        a, rest = split(x, differences=False)
+        rest.copy_(a)
     x._jvp_state = True
     return x
-
-
-# ---------------------------------------------------------------------------------------
-# Elementwise ops that are affine in their clone arguments
-
-
-def align(flat: list, idx: list) -> list:
-    """Insert singleton dims after the block dim so clones broadcast by their logical shape."""
-    nd = 0
-    for v in flat:
-        if isinstance(v, torch.Tensor):
-            nd = max(nd, v.dim() - 1 if type(v) is CloneTensor else v.dim())
-    out = list(flat)
-    for i in idx:
-        p = flat[i]
-        ln = p.dim() - 1
-        if ln < nd:
-            out[i] = p.reshape(p.shape[0], *([1] * (nd - ln)), *p.shape[1:])
-    return out
-
-
-def elementwise(func, args, kwargs):
-    if not kwargs and len(args) == 2:  # fast path: binary op
-        x, y = args
-        cx, cy = type(x) is CloneTensor, type(y) is CloneTensor
-        if cx and cy:
-            nd = max(x.dim(), y.dim())
-            xx = x if x.dim() == nd else x.reshape(x.shape[0], *([1] * (nd - x.dim())), *x.shape[1:])
-            yy = y if y.dim() == nd else y.reshape(y.shape[0], *([1] * (nd - y.dim())), *y.shape[1:])
-            return wrap(func(xx, yy), state=x._jvp_state and y._jvp_state)
-        c = x if cx else y
-        other = y if cx else x
-        if not isinstance(other, torch.Tensor) or other.dim() <= c.dim() - 1:
-            return wrap(func(x, y), state=c._jvp_state)
-    flat, spec, idx = _flat_clones(args, kwargs)
-    state = all(flat[i]._jvp_state for i in idx)
-    a, k = tree_unflatten(align(flat, idx), spec)
-    return wrap(func(*a, **k), state=state)
-
-
-def elementwise_inplace(func, args, kwargs):
-    target = args[0]
-    if not is_clone(target):
-        out = state_write(func, args, kwargs)
-        if out is not NOT_STATE:
-            return out
-        fill_or_refuse(target, blocks_of(args[1:], kwargs),
-                       f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
-                       "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), "
-                       "h.new_zeros(...)) or use the out-of-place op.")
-    flat, spec, idx = _flat_clones(args, kwargs)
-    state = all(flat[i]._jvp_state for i in idx)
-    a, k = tree_unflatten(align(flat, idx), spec)
-    func(*a, **k)
-    target._jvp_state = state
-    return target
-
-
-register_handler(
-    torch.add, T.add, T.__add__, T.__radd__, torch.sub, T.sub, T.__sub__, T.__rsub__, torch.rsub,
-    maybe(torch, "subtract"), maybe(T, "subtract"), torch.neg, T.neg, T.__neg__, maybe(torch, "negative"),
-    maybe(T, "negative"), maybe(torch, "positive"), maybe(T, "positive"), maybe(T, "__pos__"), T.where,
-)(elementwise)
-
-
-@register_handler(torch.where)
-def _where(func, args, kwargs):
-    """``where(c, x, y)``: affine in ``x`` and ``y`` (elementwise); ``where(c)``, the condition alone, is
-    ``nonzero(c, as_tuple=True)``: indices, piecewise constant (evaluated on the primal block)."""
-    if len(args) + len(kwargs) == 1:
-        return state_eval(func, args, kwargs)
-    return elementwise(func, args, kwargs)
-
-
-COMPLEX_EXACT.update(f for f in (torch.add, T.add, T.__add__, T.__radd__, torch.sub, T.sub, T.__sub__, T.__rsub__,
-                                 torch.rsub, maybe(torch, "subtract"), maybe(T, "subtract"), torch.where, T.where,
-                                 torch.cat, maybe(torch, "concat"), maybe(torch, "concatenate"), torch.stack,
-                                 T.__setitem__, T.copy_)
-                     if f is not None)  # linear in every argument (the writes: in the target and the value jointly)
-
-
-@register_op(torch.masked_fill, T.masked_fill)
-def _masked_fill(func, input, mask, value):
-    """masked_fill(x, m, v) = where(m, v, x): affine in x and in a (0-dim) tensor value alike."""
-    if is_clone(value):
-        if not is_clone(input):
-            input = wrap(tile(input, _k(value)), state=True)
-        return elementwise(torch.where, (mask, value, input), {})
-    return elementwise(func, (input, mask, value), {})
-
-
-@register_op(torch.index_fill, T.index_fill)
-def _index_fill(func, input, dim, index, value):
-    """index_fill: per block; a varying tensor value goes through the exact fallback."""
-    if is_clone(value) and not value._jvp_state:
-        return fallback(func, (input, dim, index, value), {})
-    return per_block(func, (input, dim, index, value), {})
-register_handler(T.add_, T.__iadd__, T.sub_, T.__isub__, T.neg_, maybe(T, "subtract_"))(elementwise_inplace)
-
-
-@register_op(T.masked_fill_)
-def _masked_fill_(func, input, mask, value):
-    if is_clone(value):  # a batch value: out of place, written back
-
-        return write_back(func, input, _masked_fill(torch.masked_fill, input, mask, value))
-    return elementwise_inplace(func, (input, mask, value), {})
-
-
-@register_op(torch.lerp, T.lerp, aliases={"end": "end"})
-def _lerp(func, input, end, weight):
-    if is_clone(weight) and not weight._jvp_state:
-        return fallback(func, (input, end, weight), {})
-    return elementwise(func, (input, end, weight), {})
-
-
-# ---------------------------------------------------------------------------------------
-# Reductions that are linear: sum, mean, cumsum
-
-
-def _dims_arg(args: tuple, kwargs: dict):
-    dim = kwargs.get("dim", None)
-    rest = list(args[1:])
-    if dim is None and rest and isinstance(rest[0], (int, tuple, list)) and not isinstance(rest[0], bool):
-        dim = rest.pop(0)
-        if rest and isinstance(rest[0], bool):
-            kwargs = {**kwargs, "keepdim": rest.pop(0)}
-    elif dim is None and rest and isinstance(rest[0], torch.dtype):
-        kwargs = {**kwargs, "dtype": rest.pop(0)}
-    return dim, rest, {k: v for k, v in kwargs.items() if k != "dim"}
-
-
-@register_handler(torch.sum, T.sum, torch.mean, T.mean, maybe(torch, "nansum"), maybe(T, "nansum"))
-def _linear_reduce(func, args, kwargs):
-    x = args[0]
-    dim, rest, kw = _dims_arg(args, kwargs)
-    if rest or isinstance(dim, str):
-        return fallback(func, args, kwargs)
-    n = _lnd(x)
-    if n == 0:  # a logical scalar: any dim (0 or -1) leaves it as it is
-        dims = ()
-    elif dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
-        dims = tuple(range(1, n + 1))
-    elif isinstance(dim, int):
-        dims = (phys_dim(dim, n),)
-    else:
-        dims = tuple(phys_dim(d, n) for d in dim)
-    p = x.as_subclass(torch.Tensor)
-    if not dims:  # reduction of a logical scalar
-        out = p.clone() if kw.get("dtype") is None else p.to(kw["dtype"])
-    else:
-        out = getattr(torch, func.__name__)(p, dim=dims, **kw)
-    return wrap(out, state=x._jvp_state)
-
-
-@register_op(torch.cumsum, T.cumsum)
-def _cumsum(func, input, dim, *, dtype=None):
-    if _lnd(input) == 0:
-        phys_dim(dim, 0)  # validates dim
-        return wrap(input.as_subclass(torch.Tensor).to(dtype or input.dtype, copy=True), state=input._jvp_state)
-    return wrap(torch.cumsum(input.as_subclass(torch.Tensor), phys_dim(dim, _lnd(input)), dtype=dtype),
-                state=input._jvp_state)
 
 
 # ---------------------------------------------------------------------------------------
@@ -621,12 +461,6 @@ def _same_storage(v: torch.Tensor, x: torch.Tensor) -> bool:
         return v._is_view()
 
 
-def _as_block_tensor(t: Any, k: int) -> torch.Tensor:
-    if is_clone(t):
-        return t.as_subclass(torch.Tensor)
-    return t.unsqueeze(0).expand(k, *t.shape)
-
-
 @register_op(torch.cat, maybe(torch, "concat"), maybe(torch, "concatenate"), aliases={"axis": "dim"})
 def _cat(func, tensors, dim=0):
     """cat on the logical dim; operands of logical shape ``(0,)`` are skipped, as torch skips them (legacy)."""
@@ -637,9 +471,14 @@ def _cat(func, tensors, dim=0):
         return tuple(t.shape[1:]) if is_clone(t) else tuple(t.shape)
 
     kept = [t for t in tensors if shape(t) != (0,)] or tensors[:1]
-    parts = [_as_block_tensor(t, k) for t in kept]
+    parts = [t.as_subclass(torch.Tensor) if is_clone(t) else as_batch(t, k) for t in kept]
     out = torch.cat(parts, phys_dim(dim, len(shape(kept[0]))))
     return wrap(out, state=_state_of(*[t for t in kept if is_clone(t)]))
+
+
+COMPLEX_EXACT.update(f for f in (torch.cat, maybe(torch, "concat"), maybe(torch, "concatenate"), torch.stack,
+                                 T.__setitem__, T.copy_)
+                     if f is not None)  # linear in every argument (the writes: in the target and the value jointly)
 
 
 @register_op(torch.stack, maybe(torch, "hstack"), maybe(torch, "vstack"), maybe(torch, "dstack"),
@@ -653,7 +492,7 @@ def _stack(func, tensors, dim=0):
     clones = [t for t in tensors if is_clone(t)]
     k = _k(clones[0])
     n = _lnd(clones[0]) + 1
-    parts = [_as_block_tensor(t, k) for t in tensors]
+    parts = [t.as_subclass(torch.Tensor) if is_clone(t) else as_batch(t, k) for t in tensors]
     return wrap(torch.stack(parts, phys_dim(dim, n)), state=_state_of(*clones))
 
 
@@ -718,27 +557,6 @@ def _iter(func, args, kwargs):
     if _lnd(x) == 0:
         raise TypeError("iteration over a 0-d tensor")
     return iter(tuple(wrap(t, state=x._jvp_state) for t in x.as_subclass(torch.Tensor).unbind(1)))
-
-
-# Affine in the batch tensor for fixed indices/masks (index tensors may be state clones): per block.
-_PER_BLOCK = [
-    "gather", "index_select", "take_along_dim", "scatter", "scatter_add", "index_add", "index_copy",
-    "masked_scatter", "masked_select", "take", "roll", "flip", "fliplr", "flipud", "rot90",
-    "tril", "triu", "diagonal", "diag", "diag_embed", "repeat", "repeat_interleave", "tile", "narrow_copy",
-    "unfold", "trace", "diff", "index_put", "block_diag", "atleast_1d", "atleast_2d", "atleast_3d",
-    "conj", "real", "imag", "view_as_real", "view_as_complex", "nan_to_num",
-    "broadcast_tensors", "broadcast_to",
-]
-@register_handler(*[maybe(torch, n) for n in _PER_BLOCK], *[maybe(T, n) for n in _PER_BLOCK])
-def _per_block(func, args, kwargs):
-    """Affine in the batch tensor for fixed indices/masks: every block through the op (``torch.vmap``)."""
-    return per_block(func, args, kwargs)
-
-
-# The discrete Fourier transforms: linear (over the reals, for complex and real inputs alike)
-_FFT = ["fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2", "rfftn", "irfftn",
-        "hfft", "ihfft", "hfft2", "ihfft2", "hfftn", "ihfftn", "fftshift", "ifftshift"]
-register_handler(*[maybe(torch.fft, n) for n in _FFT])(_per_block)
 
 
 @register_handler(T.__getitem__)
@@ -823,9 +641,10 @@ def _random_inplace(func, args, kwargs):
     """In-place random draws: one draw (on the primal block) shared by every block."""
     x = args[0]
     p = x.as_subclass(torch.Tensor)
-    rest = [a.as_subclass(torch.Tensor)[0] if is_clone(a) else a for a in args[1:]]
-    getattr(p[0], func.__name__)(*rest, **kwargs)
-    p[1:].copy_(p[0])
+    rest = [primal(a) for a in args[1:]]
+    a, blocks = split(p, differences=False)
+    getattr(a, func.__name__)(*rest, **kwargs)
+    blocks.copy_(a)
     x._jvp_state = True
     return x
 
@@ -850,108 +669,6 @@ _STATE = [
     "any", "all", "histc", "bincount",
 ]
 register_state(*[maybe(torch, n) for n in _STATE], *[maybe(T, n) for n in _STATE], maybe(F, "one_hot"))
-
-
-# ---------------------------------------------------------------------------------------
-# Batch ops that are affine in their (clone) input: one call on the merged K*B batch
-
-
-def _rowwise_call(func, x, rest: tuple, kwargs: dict, batched_ndim: int):
-    """Run ``func(x, *rest)`` on every block at once; the physical output is ``(K, *out)``."""
-    p = x.as_subclass(torch.Tensor)
-    n = _lnd(x)
-    if batched_ndim == 0:  # acts on trailing dims only (linear): every leading dim is a batch
-        return func(p, *rest, **kwargs)
-    if n == batched_ndim:
-        k, b = p.shape[0], p.shape[1]
-        out = func(p.reshape(k * b, *p.shape[2:]), *rest, **kwargs)
-        return wrap_tree(out, lambda t: t.reshape(k, b, *t.shape[1:]))
-    if n == batched_ndim - 1:  # unbatched input: the block dim is the batch
-        return func(p, *rest, **kwargs)
-    return None
-
-
-def rowwise(batched_ndim: int) -> Callable:
-    """Handler for an op whose first argument is a batch of ``batched_ndim`` dims and that is affine in it."""
-
-    def handler(func, args, kwargs):
-        x = args[0]
-        others = any_clone(args[1:], kwargs)
-        if func in _MULTILINEAR and (others or not is_clone(x)):
-            return multilinear(func, args, kwargs, batched_ndim)
-        if not is_clone(x) or others:
-            return fallback(func, args, kwargs)
-        nd = _lnd(x) if batched_ndim < 0 else batched_ndim
-        out = _rowwise_call(func, x, args[1:], kwargs, nd)
-        if out is None:
-            return per_block(func, args, kwargs)
-        return wrap_tree(out, lambda t: wrap(t, state=x._jvp_state))
-
-    return handler
-
-
-def multilinear(func, args, kwargs, batched_ndim: int):
-    """``op(x, W, b, ...)`` linear in x and in W, affine in b (convolutions, linear).
-
-    Block j of the output is ``op(x_j, W_0, b_0) + op(x_0, W_j - W_0, b_j - b_0)``: the input
-    tangent rides in the merged batch, the weight tangent ("swapped layer weight",
-    docs/design.md §1) is applied to the primal input only.
-    """
-    x = args[0]
-    w = args[1] if len(args) > 1 else kwargs.get("weight")
-    b = args[2] if len(args) > 2 else kwargs.get("bias")
-    rest = args[3:]
-    kw = {key: v for key, v in kwargs.items() if key not in ("weight", "bias")}
-    w0 = w[0] if is_clone(w) else w
-    b0 = b[0] if is_clone(b) else b
-    clones = [t for t in (x, w, b) if is_clone(t)]
-    k = _k(clones[0])
-    if is_clone(x):
-        nd = _lnd(x) if batched_ndim < 0 else batched_ndim
-        base = _rowwise_call(func, x, (w0, b0) + rest, kw, nd)
-        if base is None:
-            return fallback(func, args, kwargs)
-        x0 = x[0]
-    else:
-        base = tile(func(x, w0, b0, *rest, **kw), k)
-        x0 = x
-    dw, db = varies(w), varies(b)
-    if not (dw or db):
-        return wrap(base, state=_state_of(*clones))
-    outs = [base[0]]
-    for j in range(1, k):
-        wj = w[j] - w0 if dw else torch.zeros_like(w0)
-        bj = b[j] - b0 if db else None
-        outs.append(base[j] + func(x0, wj, bj, *rest, **kw))
-    return wrap(torch.stack(outs))
-
-
-_BATCHED_NDIM = {
-    F.conv1d: 3, F.conv2d: 4, F.conv3d: 5, torch.conv1d: 3, torch.conv2d: 4, torch.conv3d: 5,
-    F.conv_transpose1d: 3, F.conv_transpose2d: 4, F.conv_transpose3d: 5,
-    F.avg_pool1d: 3, F.avg_pool2d: 4, F.avg_pool3d: 5, torch.avg_pool1d: 3,
-    F.adaptive_avg_pool1d: 3, F.adaptive_avg_pool2d: 4, F.adaptive_avg_pool3d: 5, torch.adaptive_avg_pool1d: 3,
-    F.pixel_shuffle: 4, F.pixel_unshuffle: 4, F.unfold: 4, F.fold: 3, F.channel_shuffle: 4,
-    F.interpolate: -1, F.upsample: -1, F.upsample_nearest: -1, F.upsample_bilinear: -1,
-    F.linear: 0,
-}
-if hasattr(torch._C._nn, "linear"):
-    _BATCHED_NDIM[torch._C._nn.linear] = 0
-_MULTILINEAR = {F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d, F.conv_transpose1d,
-                F.conv_transpose2d, F.conv_transpose3d, F.linear, getattr(torch._C._nn, "linear", F.linear)}
-for _fn, _nd in _BATCHED_NDIM.items():
-    register_handler(_fn)(rowwise(_nd))
-
-
-@register_handler(F.grid_sample, F.affine_grid)
-def _per_sample_pair(func, args, kwargs):
-    """grid_sample(input, grid) is linear in input for a fixed grid (and affine_grid linear in theta),
-    but the grid carries its own batch dim: run per block, or exactly through the fallback when the
-    grid itself comes from the batch."""
-    grid = args[1] if len(args) > 1 else kwargs.get("grid", kwargs.get("size"))
-    if func is F.grid_sample and is_clone(grid) and not grid._jvp_state:
-        return fallback(func, args, kwargs)
-    return per_block(func, args, kwargs)
 
 
 def _pads_logical_dims_only(func, p: torch.Tensor, pad, rest: tuple) -> None:
