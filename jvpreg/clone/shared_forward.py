@@ -21,8 +21,9 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, S
 import torch
 from torch import nn
 
-from jvpreg.clone.api import call, checked_scales, host_scales, packable, packed_call, swapped_tensors
+from jvpreg.clone.api import call, checked_scales, host_scales, packable, packed_call
 from jvpreg.clone.eager import functions
+from jvpreg.clone.eager.parameter_slots import swapped_tensors
 from jvpreg.clone.program import capture
 
 __all__ = ["SharedCall", "packed_scales", "swapped_clones"]

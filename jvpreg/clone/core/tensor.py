@@ -41,7 +41,7 @@ class CloneTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if not _ACTIVE[0]:
-            if func in _METADATA:  # the physical batch's, as autograd saw it inside a rule
+            if func in METADATA:  # the physical batch's, as autograd saw it inside a rule
                 with DisableTorchFunctionSubclass():
                     return func(*args, **(kwargs or {}))
             if torch._guards.TracingContext.try_get() is not None:  # Dynamo wrapping a clone batch as a graph input
@@ -76,9 +76,10 @@ class CloneTensor(torch.Tensor):
 CloneTensor.__module__ = "torch"
 
 _DISPATCH: list = [None]  # set by jvpreg.clone.eager.dispatch (which imports this module)
-_METADATA: set = set()  # getters of metadata (shape, dtype, ...) answered outside a clone forward too, for the
-# physical batch: a clone that autograd saved inside a rule (subclass dispatch off) reads so there, and
-# torch.utils.checkpoint compares those reads with the same reads after its recomputation
+#: getters of metadata (shape, dtype, ...) answered outside a clone forward too, for the physical batch: a clone that
+#: autograd saved inside a rule (subclass dispatch off) reads so there, and torch.utils.checkpoint compares those reads
+#: with the same reads after its recomputation (a table, filled by :mod:`jvpreg.clone.rules.structural`)
+METADATA: set = set()
 _ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.eager.functions.active)
 _TRANSFORM_LEVEL: list = [-1]  # the torch.func interpreter level the outermost clone forward began at (-1: none)
 _CAPTURING: list = [None]  # the tracer while jvpreg.clone.program.capture records a clone forward, else None
@@ -93,6 +94,11 @@ def compiling() -> bool:
 
 
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def any_autocast() -> bool:
+    """Whether autocast is on for some device type (one call; ``True`` on a torch without that query)."""
+    return _ANY_AUTOCAST()
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -203,12 +209,12 @@ def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:
     if type(phys) is CloneTensor:
         with DisableTorchFunctionSubclass():
             out = torch.Tensor.as_subclass(phys, CloneTensor)
-            _claim(out, phys)
+            claim(out, phys)
             if _CAPTURING[0] is not None:
                 phys = _tracked_phys(phys)
     else:
         out = phys.as_subclass(CloneTensor)
-        _claim(out, phys)
+        claim(out, phys)
     if state:
         out._jvp_state = True
     if _CAPTURING[0] is not None:
@@ -216,7 +222,7 @@ def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:
     return out
 
 
-def _claim(out: CloneTensor, phys: torch.Tensor) -> None:
+def claim(out: CloneTensor, phys: torch.Tensor) -> None:
     """``out`` owns the base of ``phys``'s storage if it covers all of it and no clone owned it before.
 
     A clone is an autograd alias of its physical batch, so autograd takes every clone for a view. The owner stands

@@ -32,10 +32,9 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch._C import _EnableTorchFunction
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from jvpreg.clone import api
 from jvpreg.clone.program import checkpointed_regions
-from jvpreg.clone.eager import functions
-from jvpreg.clone.core.tensor import _SWAPPED_CLONES, CloneTensor, capturing, wrap
+from jvpreg.clone.eager import functions, parameter_slots
+from jvpreg.clone.core.tensor import CloneTensor, capturing, wrap
 
 _NAMES = ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
 _ORIGINALS = {name: getattr(torch_checkpoint, name) for name in _NAMES if hasattr(torch_checkpoint, name)}
@@ -86,7 +85,7 @@ def recomputed_in_clone_mode(fn: Callable, marks: Optional[Dict[int, tuple]] = N
     physical shape and state flag, and ``fn`` gets them back there as clone batches (a position that holds no tensor
     of that shape is an error, never a recomputation on the wrong rows). The clones that parameter slots hold now are
     put back for it, and it runs in clone mode."""
-    slots: List[tuple] = list(_SWAPPED_CLONES)
+    slots: List[tuple] = list(parameter_slots.swapped())
     marks = dict(marks or {})
 
     @functools.wraps(fn)
@@ -103,12 +102,12 @@ def recomputed_in_clone_mode(fn: Callable, marks: Optional[Dict[int, tuple]] = N
                         f"this region without checkpointing, or report your torch version ({torch.__version__}).")
                 leaves[i] = wrap(leaf, state=state)
             args, kwargs = tree_unflatten(leaves, spec)
-        saved = api.put_in([s for s in slots if s[0].get(s[1]) is not s[2]])
+        saved = parameter_slots.put_in([s for s in slots if s[0].get(s[1]) is not s[2]])
         try:
             with functions.active(), _EnableTorchFunction():
                 return fn(*args, **kwargs)
         finally:
-            api.restore(saved)
+            parameter_slots.restore(saved)
 
     return run
 

@@ -36,8 +36,9 @@ from jvpreg.clone.core.tensor import CloneTensor, block_delta, is_clone, stack_b
 from jvpreg.clone.eager.writes import detached_target, write_back
 
 
-_FALLBACK = {"mode": "jvp"}  # "jvp" (exact fallback, warn once) | "error"
-_WARNED: set = set()
+_FALLBACK = {"mode": "jvp"}  # the user's setting: set_fallback, fallback_mode, get_fallback
+#: the names of the ops whose fallback warning was given: each is said once per process (clear it to hear them again)
+WARNED_FALLBACKS: set = set()
 _RECORD: list = []  # stack of lists collecting the names of ops that took the fallback (record_fallbacks)
 
 
@@ -57,6 +58,11 @@ def set_fallback(mode: str) -> None:
     if mode not in ("jvp", "error"):
         raise ValueError(f"set_fallback(mode): expected 'jvp' or 'error', got {mode!r}")
     _FALLBACK["mode"] = mode
+
+
+def get_fallback() -> str:
+    """What ops without a rule do now (:func:`set_fallback`): ``"jvp"`` or ``"error"``."""
+    return _FALLBACK["mode"]
 
 
 @contextlib.contextmanager
@@ -223,7 +229,7 @@ def _empty_input(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``func`` whose first (batch) argument has no elements: nothing of the output can depend on it, so
     the op runs once on the primal blocks and every block repeats it (zero tangent); other varying
     clone arguments (a weight) still get their exact tangents through the fallback."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     if all(flat[i]._jvp_state or flat[i].numel() == 0 or not _is_float(flat[i]) for i in idx):
         return state_eval(func, args, kwargs)
     handler = HANDLERS.get(func)
@@ -266,7 +272,9 @@ def decomposition(func: Callable) -> Callable | None:
 tensor_module._DISPATCH[0] = dispatch
 
 
-def _flat_clones(args: tuple, kwargs: dict):
+def flat_clones(args: tuple, kwargs: dict) -> tuple:
+    """``(flat, spec, idx)``: the leaves of ``(args, kwargs)``, their pytree spec, and the positions of the clone
+    batches among them."""
     flat, spec = tree_flatten((args, kwargs))
     idx = [i for i, v in enumerate(flat) if type(v) is CloneTensor]
     return flat, spec, idx
@@ -304,7 +312,7 @@ def generic_inplace(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def generic(func: Callable, args: tuple, kwargs: dict) -> Any:
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     if all(flat[i]._jvp_state for i in idx):
         return state_eval(func, args, kwargs)
     return fallback(func, args, kwargs)
@@ -319,7 +327,7 @@ def block0_args(flat: list, spec, idx: list) -> tuple:
 
 def state_eval(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Evaluate on block 0 and repeat the result in every block (zero tangent)."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     k = flat[idx[0]].shape[0]
     a_args, a_kwargs = block0_args(flat, spec, idx)
     out = func(*a_args, **a_kwargs)
@@ -331,7 +339,7 @@ def state_write(func: Callable, args: tuple, kwargs: dict) -> Any:
     block: detached batch data, a statistic of it): the op on the primal blocks, written as a plain forward writes it
     (``self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))``); :data:`NOT_STATE` where a clone operand carries a
     tangent, which a plain tensor cannot hold."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     if not all(flat[i]._jvp_state for i in idx):
         return NOT_STATE
     a_args, a_kwargs = block0_args(flat, spec, idx)
@@ -345,7 +353,7 @@ def per_block(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Apply an op that is affine in its clone arguments to every block (``torch.vmap``). A mask or index that is a
     clone (state: the same in every block) enters as its primal block, unbatched: ops whose output shape depends
     on a mask's values (``masked_select``) cannot be vmapped over it, and need not be."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
     fixed = [i for i in idx if flat[i]._jvp_state and not _is_float(flat[i])]
     if fixed and len(fixed) < len(idx):
@@ -374,13 +382,15 @@ def _is_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
-def _rng_state(device: torch.device):
+def rng_state(device: torch.device) -> tuple:
+    """The random number generators' state a call on ``device`` draws from: the CPU's, and the device's on CUDA."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return cpu, cuda
 
 
-def _set_rng_state(state, device: torch.device) -> None:
+def set_rng_state(state: tuple, device: torch.device) -> None:
+    """Put back the state :func:`rng_state` read."""
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
@@ -516,7 +526,7 @@ def _load_forward_ad() -> None:
 def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Exact per-op linearisation at block 0 with ``torch.func.jvp``, or in reverse mode (two backward passes)
     where torch has no forward-mode formula for the op or a wrong one (see module docstring)."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     name = op_name(func)
     k = flat[idx[0]].shape[0]
     diff = [i for i in idx if _is_float(flat[i]) and not flat[i]._jvp_state]
@@ -553,7 +563,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     _load_forward_ad()
     primals = tuple(_dense(flat[i][0]) for i in diff)
     device = primals[0].device
-    rng = _rng_state(device) if k > 2 else None
+    rng = rng_state(device) if k > 2 else None
     reverse = _forward_ad_is_wrong(func, args, kwargs)
     tangent_outs = []
     out0 = None
@@ -572,7 +582,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
             c = _unit_scale(primals, tangents)
             tangents = tuple(t * c for t in tangents)
             if rng is not None:
-                _set_rng_state(rng, device)
+                set_rng_state(rng, device)
             try:
                 t_fl, out = linearise(tangents)
             except Exception as err:  # no forward-mode formula: the same derivative in reverse mode
@@ -580,7 +590,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
                     raise
                 reverse = True
                 if rng is not None:
-                    _set_rng_state(rng, device)
+                    set_rng_state(rng, device)
                 t_fl, out = linearise(tangents)
             if out0 is None:
                 out0 = out
@@ -600,8 +610,8 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     if any(isinstance(l, torch.Tensor) and l.layout != torch.strided for l in leaves):
         raise UnsupportedOpError(f"jvpreg clone mode: {name} returns a sparse tensor, which cannot hold the stacked "
                                  "blocks of a clone batch; keep the forward dense (or densify before the call).")
-    if name not in _WARNED and _FALLBACK["mode"] == "jvp" and any(_is_float(l) for l in leaves):
-        _WARNED.add(name)
+    if name not in WARNED_FALLBACKS and _FALLBACK["mode"] == "jvp" and any(_is_float(l) for l in leaves):
+        WARNED_FALLBACKS.add(name)
         warnings.warn(
             f"jvpreg: no clone rule for {name}; using the exact "
             f"{'reverse-mode (two backward passes)' if reverse else 'torch.func.jvp'} fallback, which is "

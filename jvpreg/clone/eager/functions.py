@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterator
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
+from jvpreg.clone.core.errors import CaptureError
 from jvpreg.clone.eager import stored_clones
 from jvpreg.clone.eager.dispatch import fallback
 from jvpreg.clone.core.tensor import _ACTIVE, _CAPTURING, _TRANSFORM_LEVEL, iter_clones
@@ -77,21 +78,21 @@ def active(called: Any = None, arguments: Any = ()) -> Iterator[None]:
 _ORIG_APPLY = torch.autograd.Function.__dict__["apply"]  # a classmethod (Python or C descriptor)
 
 
-def _orig(cls, *args, **kwargs):
+def original_apply(cls: type, *args, **kwargs):
+    """``cls.apply(*args, **kwargs)`` as torch runs it, outside the route (a rule that applies the Function itself
+    to physical batches)."""
     return _ORIG_APPLY.__get__(None, cls)(*args, **kwargs)
 
 
 def _apply(cls, *args, **kwargs):
     if next(iter_clones((args, kwargs)), None) is None and cls not in ALWAYS_ROUTED:
         if _CAPTURING[0] is not None and torch.is_grad_enabled() and not _operator_autograd(cls):
-            from jvpreg.clone.core.errors import CaptureError
-
             raise CaptureError(f"the custom autograd.Function {cls.__qualname__} runs on plain tensors (its "
                                "backward would not be replayed)")
-        return _orig(cls, *args, **kwargs)
+        return original_apply(cls, *args, **kwargs)
     rule = FUNCTION_RULES.get(cls)
     with DisableTorchFunctionSubclass():
-        out = rule(args, kwargs) if rule is not None else fallback(_FunctionCall(cls, _orig), args, kwargs)
+        out = rule(args, kwargs) if rule is not None else fallback(_FunctionCall(cls, original_apply), args, kwargs)
     for leaf in iter_clones(out):
         leaf._jvp_routed = True
     return out

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from jvpreg.clone.core.tensor import _CAPTURING, CloneTensor, _claim, iter_clones, tile, track
+from jvpreg.clone.core.tensor import _CAPTURING, CloneTensor, claim, iter_clones, tile, track
 from jvpreg.clone.core.errors import BatchWriteError, STATE_WRITE_HINT
 
 _FACTORIES = {
@@ -129,7 +129,7 @@ def _promoted(target: Any, k: Optional[int]) -> bool:
         target.data = phys  # the same tensor object, now K blocks (a capture records tile's ops, not this)
     target.__class__ = CloneTensor
     target._jvp_state = True
-    _claim(target, phys)
+    claim(target, phys)
     if _CAPTURING[0] is not None:
         track(target, phys)
     del _MADE[id(target)]

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 
-from jvpreg.clone.program.side_effects import is_held_object
+from jvpreg.clone.core.held_objects import is_held_object
 from jvpreg.clone.core.tensor import CloneTensor
 
 _ROOTS: List[nn.Module] = []  # the modules the eager clone forward under way was called on

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from jvpreg.clone.eager.dispatch import _flat_clones, fallback, per_block, state_eval
+from jvpreg.clone.eager.dispatch import fallback, flat_clones, per_block, state_eval
 from jvpreg.clone.core.registry import COMPLEX_AFFINE, maybe, register_handler, register_op
 from jvpreg.clone.eager.writes import detached_target, write_back
 from jvpreg.clone.rules.structural import align, elementwise, elementwise_inplace
@@ -34,7 +34,7 @@ def _aligned_pair(x, y):
 
 @register_handler(torch.mul, T.mul, T.__mul__, T.__rmul__, maybe(torch, "multiply"), maybe(T, "multiply"))
 def mul(func, args, kwargs):
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     if len(_varying_positions(flat, idx)) < 2:
         return elementwise(func, args, kwargs)
     x, y = _aligned_pair(args[0], args[1])
@@ -48,7 +48,7 @@ COMPLEX_AFFINE.update(f for f in (torch.mul, T.mul, T.__mul__, T.__rmul__, maybe
 
 @register_handler(T.mul_, T.__imul__, maybe(T, "multiply_"))
 def mul_(func, args, kwargs):
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     if len(_varying_positions(flat, idx)) < 2:
         return elementwise_inplace(func, args, kwargs)
     return write_back(func, args[0], mul(torch.mul, detached_target(args[:2], {}), {}))
@@ -100,7 +100,7 @@ def _bilinear(func, args, kwargs):
     """Generic two-operand expansion (module docstring). Block 0 is the very call a plain forward makes
     (``op(a1, a2)``, bit-identical: batch statistics downstream match a plain forward exactly); the tangent
     blocks are ``op(z1_j, a2) (+ op(a1, d2_j))``, one batched call over blocks 1.. ."""
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     var = _varying_positions(flat, idx)
     if not var:
         return state_eval(func, args, kwargs)
@@ -138,7 +138,7 @@ def _bilinear(func, args, kwargs):
                   maybe(torch, "outer"), maybe(T, "outer"), maybe(torch, "tensordot"), maybe(torch, "kron"),
                   maybe(torch, "cross"), maybe(torch.linalg, "vecdot"))
 def matmul(func, args, kwargs):
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     var = _varying_positions(flat, idx)
     if len(var) < 2 and func in (torch.matmul, T.matmul, T.__matmul__) and is_clone(args[0]) \
             and torch.is_tensor(args[1]) and not is_clone(args[1]) and args[1].dim() <= 2:

@@ -16,11 +16,11 @@ from torch.utils._pytree import tree_unflatten
 
 from jvpreg.clone.core import tensor as tensor_module
 from jvpreg.clone.core.errors import CaptureError, UnsupportedOpError
-from jvpreg.clone.eager.dispatch import NOT_STATE, _flat_clones, fallback, per_block, state_eval, state_write
+from jvpreg.clone.eager.dispatch import NOT_STATE, fallback, flat_clones, per_block, state_eval, state_write
 from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse
 from jvpreg.clone.core.registry import COMPLEX_EXACT, HANDLERS, maybe, op_name, register_handler, register_op
 from jvpreg.clone.rules.kinds import register_state
-from jvpreg.clone.core.tensor import (_METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, tile,
+from jvpreg.clone.core.tensor import (METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, tile,
     varies, wrap, wrap_tree)
 from jvpreg.clone.eager.writes import write_back
 
@@ -48,7 +48,7 @@ def _query(func, args, kwargs):
     x = args[0] if args else None
     if type(x) is CloneTensor and not any_clone(args[1:], kwargs):
         return func(x[0], *args[1:], **kwargs)
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     for i in idx:
         flat[i] = flat[i][0]
     a, k = tree_unflatten(flat, spec)
@@ -66,12 +66,12 @@ _QUERY_GETTERS = ["shape", "ndim", "dtype", "device", "is_cuda", "layout", "is_s
 register_handler(*[maybe(T, n) for n in _QUERY_ATTRS], torch.numel, maybe(torch, "is_floating_point"),
                  maybe(torch, "is_complex"), maybe(torch, "is_nonzero"))(_query)
 register_handler(*[getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n)])(_query)
-_METADATA.update(getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n))
+METADATA.update(getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n))
 
 
 @register_handler(T._base.__get__)
 def _base(func, args, kwargs):
-    """``._base``: ``None`` for a clone that stands for an op's own result (:func:`~jvpreg.clone.core.tensor._claim`),
+    """``._base``: ``None`` for a clone that stands for an op's own result (:func:`~jvpreg.clone.core.tensor.claim`),
     else the base of its storage: the clone is a view, as the plain op's result is (FSDP2 asks before hooking a
     module's output). The base is returned to be tested, not computed with."""
     x = args[0]
@@ -130,7 +130,7 @@ def _on_self(func, args, kwargs):
     """Gradient hooks go where the clone's gradient arrives, never on a new alias of it (what ``_on_phys``
     builds), which no gradient reaches (FSDP2 unshards a layer's parameters for backward from such a hook).
 
-    A clone that stands for an op's own result (:func:`~jvpreg.clone.core.tensor._claim`) is hooked on the base of its
+    A clone that stands for an op's own result (:func:`~jvpreg.clone.core.tensor.claim`) is hooked on the base of its
     storage: its gradient is the clone's, and an in-place update of the clone (``h += x``) keeps the hook, as it
     does on the plain result of a plain op; on the clone, an autograd alias, the update would regenerate its
     ``grad_fn`` and drop the hook. A clone that is a view is hooked itself, as torch hooks a view. The hook receives
@@ -238,7 +238,7 @@ def elementwise(func, args, kwargs):
         other = y if cx else x
         if not isinstance(other, torch.Tensor) or other.dim() <= c.dim() - 1:
             return wrap(func(x, y), state=c._jvp_state)
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
     a, k = tree_unflatten(align(flat, idx), spec)
     return wrap(func(*a, **k), state=state)
@@ -254,7 +254,7 @@ def elementwise_inplace(func, args, kwargs):
                        f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
                        "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), "
                        "h.new_zeros(...)) or use the out-of-place op.")
-    flat, spec, idx = _flat_clones(args, kwargs)
+    flat, spec, idx = flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
     a, k = tree_unflatten(align(flat, idx), spec)
     func(*a, **k)
