@@ -3,7 +3,7 @@
 Layout: ``tensor`` (the K-block batch type), ``registry`` (the one rule registry), ``dispatch``
 (routing and the exact fallback), ``structural`` (affine/shape fast paths), ``rules/`` (one
 module per family of nonlinear ops), ``functions`` (custom autograd.Functions), ``checkpointing``
-(``torch.utils.checkpoint`` regions recomputed in clone mode),
+(``torch.utils.checkpoint`` regions recomputed in clone mode), ``session`` (the state of a running clone forward),
 ``parameter_slots`` (``swapped_tensors``: clones in parameter slots), ``api``
 (``jvp``, ``jvp_params``, ``pack``/``call``/``unpack``, and the pieces the losses share:
 ``scales``, ``clone_of``),
@@ -13,7 +13,6 @@ module per family of nonlinear ops), ``functions`` (custom autograd.Functions), 
 """
 from jvpreg.clone.rules import structural  # noqa: F401  (registers the fast paths)
 from jvpreg.clone import rules  # noqa: F401  (registers the rules)
-from jvpreg.clone.eager import checkpointing  # noqa: F401  (registers the reentrant checkpoint's rule)
 from jvpreg.clone.api import call, choose_scales, clone_of, jvp, jvp_params, pack, primal_of, scales, unpack
 from jvpreg.clone.shared_forward import SharedCall, packed_scales, swapped_clones
 from jvpreg.clone.program.capture import ENGINES

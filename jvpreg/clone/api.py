@@ -30,8 +30,9 @@ from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_map, tree_unfla
 
 from jvpreg.clone import callables
 from jvpreg.clone.program import capture
-from jvpreg.clone.eager import functions, stored_clones
+from jvpreg.clone.eager import stored_clones
 from jvpreg.clone.eager.compiled_code import between_graphs
+from jvpreg.clone.eager.forward import active
 from jvpreg.clone.eager.parameter_slots import swapped_tensors
 from jvpreg.clone.core.device_paths import on_host
 from jvpreg.clone.core.errors import BatchWriteError, UnsupportedOpError
@@ -374,7 +375,7 @@ def call(func: Callable, args: Sequence[Any], kwargs: Mapping[str, Any] | None =
     args, kwargs = tuple(args), dict(kwargs or {})
     if engine != "eager" and isinstance(target, nn.Module):
         return capture.call(target, args, kwargs, engine=engine)
-    with functions.active(target, (args, kwargs)), capture.uncompiled(target):
+    with active(target, (args, kwargs)), capture.uncompiled(target):
         return target(*args, **kwargs)
 
 
@@ -520,7 +521,7 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
         # (and aux) out. The norms vouch for x and u only: with values that hold tensors, the guard checks them all
         finite = True if finite and not any(isinstance(v, torch.Tensor) for v in tree_flatten(values)[0]) else None
         return capture.call(module, (*primals, *tans, s, *values), engine=engine, key=key, finite=finite, fn=body)
-    with functions.active(target), capture.uncompiled(target):
+    with active(target), capture.uncompiled(target):
         return _jvp_body(target, primals, tans, s, has_aux, batched_tangents, where)
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from jvpreg.clone.api import call, checked_scales, host_scales, packable, packed_call
-from jvpreg.clone.eager import functions
+from jvpreg.clone.eager import forward
 from jvpreg.clone.eager.parameter_slots import swapped_tensors
 from jvpreg.clone.program import capture
 
@@ -135,6 +135,6 @@ def swapped_clones(module: nn.Module, replace: Mapping[torch.Tensor, torch.Tenso
     is unpacked. ``watch``: the scope runs ``module`` itself (eager clone mode), so the clone batches its forward
     stores on its submodules are made their primals at the end; ``False`` where the call inside is
     :meth:`SharedCall.__call__` or :func:`jvpreg.clone.call`, which do so for the calls they do not replay."""
-    with functions.active(module if watch else None), \
+    with forward.active(module if watch else None), \
             swapped_tensors(module, replace) if replace else contextlib.nullcontext():
         yield

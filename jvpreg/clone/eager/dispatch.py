@@ -18,6 +18,7 @@ Order of resolution for ``func(*args, **kwargs)`` with at least one clone argume
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import types
 import warnings
 from typing import Any, Callable
@@ -31,26 +32,28 @@ from jvpreg.clone.core.errors import CaptureError, JVPFallbackWarning, Unsupport
 from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse, ORIGINAL_OF
 from jvpreg.clone.core.registry import (COMPLEX_AFFINE, COMPLEX_AFFINE_MODULES, COMPLEX_EXACT, HANDLERS, REENTRANT,
     op_name, bind_arguments)
-from jvpreg.clone.core import tensor as tensor_module
-from jvpreg.clone.core.tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap, wrap_tree
+from jvpreg.clone.core.session import current
+from jvpreg.clone.core.tensor import (CloneTensor, block_delta, capturing, is_clone, stack_blocks, tile, wrap,
+    wrap_tree)
 from jvpreg.clone.eager.writes import detached_target, write_back
 
 
 _FALLBACK = {"mode": "jvp"}  # the user's setting: set_fallback, fallback_mode, get_fallback
 #: the names of the ops whose fallback warning was given: each is said once per process (clear it to hear them again)
 WARNED_FALLBACKS: set = set()
-_RECORD: list = []  # stack of lists collecting the names of ops that took the fallback (record_fallbacks)
+# the lists record_fallbacks collects into, innermost last, scoped by their blocks (they span several clone forwards)
+_RECORDS: contextvars.ContextVar = contextvars.ContextVar("jvpreg_fallback_records", default=())
 
 
 @contextlib.contextmanager
 def record_fallbacks():
     """Collect the names of the ops that run through the exact fallback inside the block (yields a list)."""
     seen: list = []
-    _RECORD.append(seen)
+    token = _RECORDS.set(_RECORDS.get() + (seen,))
     try:
         yield seen
     finally:
-        _RECORD.remove(seen)
+        _RECORDS.reset(token)
 
 
 def set_fallback(mode: str) -> None:
@@ -128,7 +131,7 @@ def _check_transform_level(func: Callable) -> None:
     got there by a closure (a transform's arguments are routed: :mod:`jvpreg.clone.eager.nested_transforms`), and functorch
     would treat its blocks as samples (``vmap(lambda w: tanh(x @ w))(W)``: 10.3 off)."""
     top = torch._C._functorch.peek_interpreter_stack()
-    if top is not None and top.level() > tensor_module._TRANSFORM_LEVEL[0]:
+    if top is not None and top.level() > current().transform_level:
         raise UnsupportedOpError(
             f"jvpreg clone mode: {op_name(func)} ran on a clone batch inside a torch.func transform (vmap, grad, ...) "
             "that captured it by closure, not as an argument: functorch would treat its blocks as samples (a wrong "
@@ -269,9 +272,6 @@ def decomposition(func: Callable) -> Callable | None:
     return body
 
 
-tensor_module._DISPATCH[0] = dispatch
-
-
 def flat_clones(args: tuple, kwargs: dict) -> tuple:
     """``(flat, spec, idx)``: the leaves of ``(args, kwargs)``, their pytree spec, and the positions of the clone
     batches among them."""
@@ -370,7 +370,7 @@ def per_block(func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*a2, **k2)
 
     phys = [flat[i].as_subclass(torch.Tensor) for i in idx]
-    if tensor_module._CAPTURING[0] is not None:  # a capture records plain ops: one call per block
+    if capturing():  # a capture records plain ops: one call per block
         outs = [g(*(p[j] for p in phys)) for j in range(phys[0].shape[0])]
         out = tree_map(lambda *ts: torch.stack(ts) if isinstance(ts[0], torch.Tensor) else ts[0], *outs)
         return wrap_tree(out, lambda t: wrap(t, state=state))
@@ -536,11 +536,10 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
 
     if not diff:
         return state_eval(func, args, kwargs)
-    if tensor_module._CAPTURING[0] is not None:
-
+    if capturing():
         raise CaptureError(f"{name} has no clone rule and its exact per-op fallback (torch.func.jvp) runs "
                            "eagerly only")
-    for seen in _RECORD:
+    for seen in _RECORDS.get():
         seen.append(name)
     if _FALLBACK["mode"] == "error":
         raise UnsupportedOpError(

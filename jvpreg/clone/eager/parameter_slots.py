@@ -6,7 +6,7 @@ A direction ``U`` for a parameter ``W`` rides in the clone forward as the clone 
 captured engine reads every slot's tensor only when that list is not empty, and a checkpointed region's
 recomputation, which runs after the forward, puts the same clones back (:mod:`jvpreg.clone.eager.checkpointing`).
 A swap outlives a clone forward (``jvp_params`` swaps, then calls the engine, which may replay a program without
-entering one), so the list is a context variable of its own.
+opening a session), so the list is its own context variable, not part of the forward's session.
 """
 from __future__ import annotations
 

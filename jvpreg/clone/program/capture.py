@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from jvpreg.clone.core.errors import CaptureError, JVPCaptureWarning
 from jvpreg.clone.program import checkpointed_regions, sharded_units
-from jvpreg.clone.eager import compiled_code, functions, parameter_slots
+from jvpreg.clone.eager import compiled_code, forward, parameter_slots
 from jvpreg.clone.core import device_paths
 from jvpreg.clone.rules import kernels
 from jvpreg.clone.core import tensor as _tensor
@@ -38,6 +38,7 @@ from jvpreg.clone.program.replay import replay_function
 from jvpreg.clone.program.side_effects import (AttributeReads, Attributes, Generators, Globals, argument_objects,
     held_generators)
 from jvpreg.clone.core.held_objects import is_held_object
+from jvpreg.clone.core.session import current, holding
 from jvpreg.clone.program.passes import largest_magnitude, optimize
 from jvpreg.clone.core.tensor import any_autocast, CloneTensor
 
@@ -335,17 +336,6 @@ def _phys(leaf: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _setting(cell: list, value: Any):
-    """``cell[0] = value`` inside (``tensor._CAPTURING``: the tracer; ``tensor._COMPILING``: the engine)."""
-    prev = cell[0]
-    cell[0] = value
-    try:
-        yield
-    finally:
-        cell[0] = prev
-
-
-@contextlib.contextmanager
 def _no_gc():
     """No garbage collection while tracing: a finalizer that switches grad mode (``torch.no_grad()`` in a
     ``__del__``) would be recorded into the program, or break the tracer's code generation (``KeyError:
@@ -393,7 +383,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         tracer = get_proxy_mode().tracer
         _note_grad_mode(tracer)
         reads = out_meta["reads"] = ValueReads(tracer)
-        with _setting(_tensor._CAPTURING, tracer), reads.active():
+        with holding(tracer=tracer), reads.active():
             new_leaves = list(leaves)
             args, kwargs = _traced_arguments(new_leaves, flat, clone_pos, slot_values, slot_pos, in_spec)
             out = fn(*args, **kwargs)
@@ -417,7 +407,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     optimize(gm, *_finiteness(leaves, clone_pos, slot_values, slot_pos))
     values = split_off(gm, expected, names) if expected else None
     guards = Guards.record(gm, rec.root(), rec.modules, attribute_reads, module_globals, values)
-    compiling = _tensor._COMPILING[0]  # compiled: never replayed, torch.compile reads the sub-programs
+    compiling = current().compiling  # compiled: never replayed, torch.compile reads the sub-programs
     checkpointed_regions.outline(gm, (lambda sub: sub) if compiling else replay_function, torch.is_grad_enabled(),
                                  n_in)
     replay = None if compiling else replay_function(gm)
@@ -739,10 +729,10 @@ def _run_eager(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, reaso
     """``fn`` in eager clone mode because of ``reason``: said once by a warning, except for a module that holds FSDP
     units, whose bodies are captured in turn (:mod:`jvpreg.clone.program.sharded_units`)."""
     if reason == SHARDED and sharded_units.has_fsdp2_units(module):
-        with functions.active(module, (args, kwargs)), uncompiled(module), sharded_units.routed(module, engine, call):
+        with forward.active(module, (args, kwargs)), uncompiled(module), sharded_units.routed(module, engine, call):
             return fn(*args, **kwargs)
     _warn_eager(module, reason)
-    with functions.active(module, (args, kwargs)), uncompiled(module):
+    with forward.active(module, (args, kwargs)), uncompiled(module):
         return fn(*args, **kwargs)
 
 
@@ -781,7 +771,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
             _warn_eager(module, IN_TRANSFORM)
         engine = "eager"
     if engine == "eager":
-        with functions.active(module, (args, kwargs)), uncompiled(module):
+        with forward.active(module, (args, kwargs)), uncompiled(module):
             return fn(*args, **kwargs)
     rec = _record(module)
     if rec.hooks:  # checked before any program: a hook registered after a capture must run too
@@ -926,7 +916,7 @@ def _run_uncaptured(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, 
     """``fn`` in eager clone mode without a warning (``engine="auto"`` before a capture); the bodies of a sharded
     module's FSDP units are captured in turn (:mod:`jvpreg.clone.program.sharded_units`)."""
     sharded = _unsupported(module, rec, hooks_outside) == SHARDED and sharded_units.has_fsdp2_units(module)
-    with functions.active(module, (args, kwargs)), uncompiled(module), \
+    with forward.active(module, (args, kwargs)), uncompiled(module), \
             sharded_units.routed(module, engine, call) if sharded else contextlib.nullcontext():
         return fn(*args, **kwargs)
 
@@ -956,7 +946,7 @@ def _capture(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], r
              compiled: bool) -> _Program:
     """Record a program for this call, or a program-less record that says why it cannot be captured."""
     try:
-        with functions.active(module), uncompiled(module), _setting(_tensor._COMPILING, compiled):
+        with forward.active(module), uncompiled(module), holding(compiling=compiled):
             return _trace(module, fn, in_spec, leaves, rec, slot_values)
     except CaptureError as err:
         return _Program(gm=None, reason=str(err))

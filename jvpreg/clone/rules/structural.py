@@ -14,14 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_unflatten
 
-from jvpreg.clone.core import tensor as tensor_module
 from jvpreg.clone.core.errors import CaptureError, UnsupportedOpError
 from jvpreg.clone.eager.dispatch import NOT_STATE, fallback, flat_clones, per_block, state_eval, state_write
 from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse
 from jvpreg.clone.core.registry import COMPLEX_EXACT, HANDLERS, maybe, op_name, register_handler, register_op
 from jvpreg.clone.rules.kinds import register_state
-from jvpreg.clone.core.tensor import (METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, tile,
-    varies, wrap, wrap_tree)
+from jvpreg.clone.core.tensor import (METADATA, CloneTensor, any_clone, capturing, is_clone, phys_dim, storage_bytes,
+    tile, varies, wrap, wrap_tree)
 from jvpreg.clone.eager.writes import write_back
 
 T = torch.Tensor
@@ -136,8 +135,7 @@ def _on_self(func, args, kwargs):
     ``grad_fn`` and drop the hook. A clone that is a view is hooked itself, as torch hooks a view. The hook receives
     the gradient of the physical ``(K, *L)`` batch. ``retain_grad`` stays on the clone, whose ``.grad`` the caller
     reads."""
-    if tensor_module._CAPTURING[0] is not None:
-
+    if capturing():
         raise CaptureError("the forward registers a gradient hook (it would not be replayed)")
     x = args[0]
     if func is not T.register_hook or not x._jvp_owns or x._base is None:
