@@ -23,7 +23,7 @@ import torch._dynamo
 
 from jvpreg.clone.core.session import Session, current, register_route
 
-try:  # torch.compiler.set_stance's own setter (2.6+), with the stance built once: 1 µs a clone forward, not 4
+try:  # torch.compiler.set_stance's own setter (2.6+) and the stance built once (set_stance builds both at every call)
     from torch._dynamo.eval_frame import DynamoStance, _set_stance
 
     _FORCE_EAGER = DynamoStance("force_eager")

@@ -129,7 +129,7 @@ def check_not_custom_output(values: Any) -> None:
 def _check_transform_level(func: Callable) -> None:
     """Raise where a clone batch reaches an op inside a ``torch.func`` transform entered during the clone forward: it
     got there by a closure (a transform's arguments are routed: :mod:`jvpreg.clone.eager.nested_transforms`), and functorch
-    would treat its blocks as samples (``vmap(lambda w: tanh(x @ w))(W)``: 10.3 off)."""
+    would treat its blocks as samples (``vmap(lambda w: tanh(x @ w))(W)``: a wrong JVP)."""
     top = torch._C._functorch.peek_interpreter_stack()
     if top is not None and top.level() > current().transform_level:
         raise UnsupportedOpError(
@@ -426,7 +426,7 @@ def _unit_scale(primals: tuple, tangents: tuple) -> torch.Tensor:
     differentiates along ``c d`` and divides by ``c`` (exact: powers of two), so ``torch.func.jvp`` sees a tangent of the
     primal's size, not the clone block's ``s u`` (``s`` ~ 2^40 rms(x) / rms(u)). Linear in exact arithmetic, some
     forward-mode formulas are not in floating point: ``matrix_exp``'s (the exponential of ``[[X, D], [0, X]]``, whose
-    scaling-and-squaring follows ``||D||``) was 23% off in float32 along ``s u``."""
+    scaling-and-squaring follows ``||D||``) loses float32's precision along ``s u``, not along ``c d``."""
     with torch.no_grad():
         def norm(ts):
             sq = [torch.linalg.vector_norm(t.detach().abs() if t.is_complex() else t.detach(), dtype=torch.float64)

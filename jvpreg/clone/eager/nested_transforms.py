@@ -1,8 +1,8 @@
 """``torch.func`` transforms inside a clone forward: a model whose forward calls ``vmap``, ``grad``, ``jacrev``...
 
 functorch wraps a transform's inputs in C++ (a batched or grad-tracking tensor): a clone batch would lose its
-subclass there and the transform's ops would treat its blocks as samples (a per-sample ``vmap`` in a forward gave a
-JVP 0.59 off, an input-gradient feature ``grad(f)(x) * x`` 0.61 off, silently). While a clone forward runs (:func:`install`, a
+subclass there and the transform's ops would treat its blocks as samples (a per-sample ``vmap`` in a forward, an
+input-gradient feature ``grad(f)(x) * x``: wrong JVPs, silently). While a clone forward runs (:func:`install`, a
 route of its session: :mod:`jvpreg.clone.core.session`):
 
 * ``torch.vmap`` / ``torch.func.vmap``, ``torch.func.grad`` and ``grad_and_value`` called on clone arguments are one op
@@ -11,8 +11,8 @@ route of its session: :mod:`jvpreg.clone.core.session`):
   in eager clone mode);
 * any other transform that would wrap a clone batch (``vjp``, ``jacrev``, ``jvp``, ``jacfwd``, ``hessian``) raises
   :class:`UnsupportedOpError` naming it, where functorch wraps it;
-* a clone batch that reaches a transform by closure (``vmap(lambda w: tanh(x @ w))(W)``: 10.3 off before) raises at
-  its first op inside (the engine's dispatch compares functorch's interpreter level with the one the clone forward's session
+* a clone batch that reaches a transform by closure (``vmap(lambda w: tanh(x @ w))(W)``) raises at its first op
+  inside (the engine's dispatch compares functorch's interpreter level with the one the clone forward's session
   began at: :func:`jvpreg.clone.eager.dispatch.dispatch`).
 """
 from __future__ import annotations

@@ -18,8 +18,9 @@ with its autograd history where it has one). A stored value is then a constant o
 self.buf[...] = h``) is a clone batch by then (:mod:`jvpreg.clone.eager.made_tensors`) and is found as well.
 
 Searched afterwards rather than noted when stored: catching ``nn.Module.__setattr__`` means assigning it on the
-class, which re-derives the slot of each of its hundreds of subclasses (0.3-0.6 ms per clone forward, more than a
-small model's whole JVP), and would not see ``self.__dict__[name] = h`` or ``self.log.append(h)``.
+class, which re-derives the slot of each of its hundreds of subclasses at every clone forward (more than a small
+model's whole JVP: experiments/results/stored_clones_cpu.md), and would not see ``self.__dict__[name] = h`` or
+``self.log.append(h)``.
 
 Not seen: stores on a module outside the called modules' trees (for a function: outside the modules its closure or
 bound ``self`` holds), in an object that is neither passed in, nor a module, list, tuple or dict, or in a hook's
@@ -69,7 +70,7 @@ def release(session: Session) -> None:
         _released(container, _DEPTH + 1, keep=passed)
     stack, session.watched_modules = session.watched_modules, []
     seen = set()
-    while stack:  # nn.Module.modules() costs a generator per module: 0.25 ms on a ResNet-50
+    while stack:  # by hand: nn.Module.modules() would cost a generator per module
         module = stack.pop()
         if id(module) in seen:
             continue

@@ -1,7 +1,7 @@
 """TorchScript inside a clone forward: its ops run in C++, out of ``__torch_function__``'s sight, so routed here.
 
 A scripted function or module called on a clone batch would run its ops on the physical ``(K, *shape)`` tensor as
-if the blocks were samples: every nonlinearity would take its state from each block (``tanh(x) * sigmoid(x)``: 0.49 off),
+if the blocks were samples: every nonlinearity would take its state from each block (``tanh(x) * sigmoid(x)``),
 a silently wrong JVP. While a clone forward runs (:func:`install`, a route of its session:
 :mod:`jvpreg.clone.core.session`) calls of ``torch.jit.ScriptFunction`` and ``torch.ScriptMethod`` (a scripted or
 traced module's ``forward``) with a clone argument are routed:
@@ -41,7 +41,7 @@ class _ScriptCall:
         self.__module__ = "torch.jit"
         self.hint = HINT
         self.reverse_mode = True  # TorchScript's forward AD: right on the first call only (then a profiled graph
-        # without it: 0.067 off, or no tangent at all through dual tensors); its reverse mode is what training uses
+        # without it: a wrong tangent, or none at all through dual tensors); its reverse mode is what training uses
 
     def __call__(self, *args, **kwargs):
         return self.original(self.script, *args, **kwargs)
