@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from conftest import load_script
-from jvpreg.clone.eager import functions, stored_clones
+from jvpreg.clone.core.session import ROUTES
 
 
 def test_the_benchmark_measures_both_ways_and_leaves_the_engine_as_it_found_it(tmp_path):
@@ -14,7 +14,7 @@ def test_the_benchmark_measures_both_ways_and_leaves_the_engine_as_it_found_it(t
     rows = bench.steps("mlp200:8", repeats=2)
     assert [r["model"] for r in rows] == ["mlp200 (B=8)"]
     assert all(rows[0][k] > 0 for k in ("plain_2b (ms)", "search (ms)", "setattr assigned (ms)"))
-    assert functions._HOOKS[-1] == (functions._nothing, stored_clones.release)
+    assert bench.SETATTR_ROUTE not in ROUTES
     assert nn.Module.__dict__["__setattr__"] is bench._PLAIN_SETATTR
     costs = bench.class_costs()
     assert costs["nn.Module subclasses"] > 100 and costs["nn.Module.__setattr__ set and put back (us)"] > 0

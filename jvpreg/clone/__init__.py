@@ -3,17 +3,16 @@
 Layout: ``tensor`` (the K-block batch type), ``registry`` (the one rule registry), ``dispatch``
 (routing and the exact fallback), ``rules/`` (one module per family of ops, registered by kind; shape and affine
 fast paths), ``functions`` (custom autograd.Functions), ``checkpointing``
-(``torch.utils.checkpoint`` regions recomputed in clone mode), ``api``
+(``torch.utils.checkpoint`` regions recomputed in clone mode), ``session`` (the state of a running clone forward),
+``parameter_slots`` (``swapped_tensors``: clones in parameter slots), ``api``
 (``jvp``, ``jvp_params``, ``pack``/``call``/``unpack``, and the pieces the losses share:
-``scales``, ``clone_of``, ``swapped_tensors``),
+``scales``, ``clone_of``),
 ``shared_forward`` (the losses' and callbacks' shared clone forward of a module call: ``SharedCall``),
 ``capture`` (the captured and compiled engines), ``device_paths``
 (the host's path or an accelerator's, and :func:`~jvpreg.clone.core.device_paths.accelerator_path` to test the latter).
 """
 from jvpreg.clone import rules  # noqa: F401  (registers the rules)
-from jvpreg.clone.eager import checkpointing  # noqa: F401  (registers the reentrant checkpoint's rule)
-from jvpreg.clone.api import (call, choose_scales, clone_of, jvp, jvp_params, pack, primal_of, scales,
-    swapped_tensors, unpack)
+from jvpreg.clone.api import call, choose_scales, clone_of, jvp, jvp_params, pack, primal_of, scales, unpack
 from jvpreg.clone.shared_forward import SharedCall, packed_scales, swapped_clones
 from jvpreg.clone.program.capture import ENGINES
 from jvpreg.clone.eager.compiled_code import between_graphs
@@ -21,6 +20,7 @@ from jvpreg.clone.core.errors import JVPCaptureWarning
 from jvpreg.clone.core.errors import JVPFallbackWarning, UnsupportedOpError
 from jvpreg.clone.eager.dispatch import fallback_mode, set_fallback
 from jvpreg.clone.eager.functions import register_function_rule
+from jvpreg.clone.eager.parameter_slots import swapped_tensors
 from jvpreg.clone.core.registry import register_handler, rule_for
 from jvpreg.clone.rules.kinds import register_rule, register_state
 from jvpreg.clone.core.tensor import CloneTensor, is_clone

@@ -20,7 +20,6 @@ scaling itself exact. The scale is one number per tangent, not per sample: ops t
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 import math
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
@@ -31,13 +30,14 @@ from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_map, tree_unfla
 
 from jvpreg.clone import callables
 from jvpreg.clone.program import capture
-from jvpreg.clone.eager import functions, stored_clones
+from jvpreg.clone.eager import stored_clones
 from jvpreg.clone.eager.compiled_code import between_graphs
+from jvpreg.clone.eager.forward import active
+from jvpreg.clone.eager.parameter_slots import swapped_tensors
 from jvpreg.clone.core.device_paths import on_host
 from jvpreg.clone.core.errors import BatchWriteError, UnsupportedOpError
-from jvpreg.clone.eager.dispatch import check_not_custom_output, _rng_state, _set_rng_state
-from jvpreg.clone.core.tensor import (_SWAPPED_CLONES, CloneTensor, autocast_enabled, block_delta, capturing,
-    is_clone, wrap)
+from jvpreg.clone.eager.dispatch import check_not_custom_output, rng_state, set_rng_state
+from jvpreg.clone.core.tensor import autocast_enabled, block_delta, capturing, is_clone, wrap
 
 _R_DEFAULT = 2.0 ** 40
 _R_HALF = 2.0 ** 2
@@ -375,7 +375,7 @@ def call(func: Callable, args: Sequence[Any], kwargs: Mapping[str, Any] | None =
     args, kwargs = tuple(args), dict(kwargs or {})
     if engine != "eager" and isinstance(target, nn.Module):
         return capture.call(target, args, kwargs, engine=engine)
-    with functions.active(target, (args, kwargs)), capture.uncompiled(target):
+    with active(target, (args, kwargs)), capture.uncompiled(target):
         return target(*args, **kwargs)
 
 
@@ -521,7 +521,7 @@ def jvp(func: Callable, primals: Sequence[torch.Tensor], tangents: Sequence[torc
         # (and aux) out. The norms vouch for x and u only: with values that hold tensors, the guard checks them all
         finite = True if finite and not any(isinstance(v, torch.Tensor) for v in tree_flatten(values)[0]) else None
         return capture.call(module, (*primals, *tans, s, *values), engine=engine, key=key, finite=finite, fn=body)
-    with functions.active(target), capture.uncompiled(target):
+    with active(target), capture.uncompiled(target):
         return _jvp_body(target, primals, tans, s, has_aux, batched_tangents, where)
 
 
@@ -553,54 +553,6 @@ def _jvp_body(func: Callable, primals: Sequence[torch.Tensor], tans: Sequence[to
     return (out, tan, primal_of(aux)) if has_aux else (out, tan)
 
 
-def swap_in(module: nn.Module, replace: Mapping[torch.Tensor, torch.Tensor], *, buffers: bool = True) -> list:
-    """Put ``replace[p]`` wherever parameter (or buffer) ``p`` is registered in ``module``, tied uses
-    included; returns the ``(store, name, original)`` slots for :func:`restore`. One walk over the
-    submodules' own dicts (``torch.func.functional_call`` rebuilds every tensor: 3-10% of a JVP)."""
-    slots = []
-    by_id = {id(p): t for p, t in replace.items()}
-    for sub in module.modules():
-        for store in (sub._parameters, sub._buffers) if buffers else (sub._parameters,):
-            for attr, value in store.items():
-                if value is not None and id(value) in by_id:
-                    slots.append((store, attr, value))
-    return put_in([(store, attr, by_id[id(value)]) for store, attr, value in slots])
-
-
-def put_in(slots: list) -> list:
-    """Put ``new`` into each ``(store, name, new)`` slot; returns the ``(store, name, original)`` slots for
-    :func:`restore`. Slots that now hold a clone are listed in ``_SWAPPED_CLONES`` until restored."""
-    saved = []
-    for store, attr, new in slots:
-        saved.append((store, attr, store[attr]))
-        store[attr] = new
-        if type(new) is CloneTensor:
-            _SWAPPED_CLONES.append((store, attr, new))
-    return saved
-
-
-def restore(slots: list) -> None:
-    """Undo :func:`swap_in` or :func:`put_in` (last swapped first)."""
-    while slots:
-        store, attr, value = slots.pop()
-        if type(store.get(attr)) is CloneTensor:
-            i = next((i for i in range(len(_SWAPPED_CLONES) - 1, -1, -1)
-                      if _SWAPPED_CLONES[i][0] is store and _SWAPPED_CLONES[i][1] == attr), None)
-            if i is not None:
-                del _SWAPPED_CLONES[i]
-        store[attr] = value
-
-
-@contextlib.contextmanager
-def swapped_tensors(module: nn.Module, replace: Mapping[torch.Tensor, torch.Tensor]):
-    """Context form of :func:`swap_in`: the originals are back on exit."""
-    slots = swap_in(module, replace)
-    try:
-        yield
-    finally:
-        restore(slots)
-
-
 def _lookup_params(module: nn.Module, names: Mapping[str, torch.Tensor], where: str) -> Dict[str, torch.Tensor]:
     named = dict(module.named_parameters())
     named.update(dict(module.named_buffers()))
@@ -623,7 +575,7 @@ def _run_with_plain_prefix(module: nn.Module, primals: tuple, kwargs: dict, k: i
 
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     device = next((p.device for p in primals if isinstance(p, torch.Tensor)), torch.device("cpu"))
-    rng = _rng_state(device)
+    rng = rng_state(device)
     try:
         return call(module, primals, kwargs, engine=engine)
     except BatchWriteError:
@@ -631,7 +583,7 @@ def _run_with_plain_prefix(module: nn.Module, primals: tuple, kwargs: dict, k: i
     with torch.no_grad():
         for b, saved in buffers:
             b.copy_(saved)
-    _set_rng_state(rng, device)
+    set_rng_state(rng, device)
     zero = tuple(clone_of(p, torch.zeros((k - 1, *p.shape), dtype=p.dtype, device=p.device),
                           torch.ones(k - 1, dtype=torch.float64, device=p.device), state=True)
                  if isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex()) else p

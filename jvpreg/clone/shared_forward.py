@@ -21,8 +21,9 @@ from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, S
 import torch
 from torch import nn
 
-from jvpreg.clone.api import call, checked_scales, host_scales, packable, packed_call, swapped_tensors
-from jvpreg.clone.eager import functions
+from jvpreg.clone.api import call, checked_scales, host_scales, packable, packed_call
+from jvpreg.clone.eager import forward
+from jvpreg.clone.eager.parameter_slots import swapped_tensors
 from jvpreg.clone.program import capture
 
 __all__ = ["SharedCall", "packed_scales", "swapped_clones"]
@@ -134,6 +135,6 @@ def swapped_clones(module: nn.Module, replace: Mapping[torch.Tensor, torch.Tenso
     is unpacked. ``watch``: the scope runs ``module`` itself (eager clone mode), so the clone batches its forward
     stores on its submodules are made their primals at the end; ``False`` where the call inside is
     :meth:`SharedCall.__call__` or :func:`jvpreg.clone.call`, which do so for the calls they do not replay."""
-    with functions.active(module if watch else None), \
+    with forward.active(module if watch else None), \
             swapped_tensors(module, replace) if replace else contextlib.nullcontext():
         yield

@@ -14,7 +14,7 @@ from torch import nn
 
 import jvpreg
 from jvpreg.clone.program import capture
-from jvpreg.clone.eager import functions
+from jvpreg.clone.eager import forward
 from conftest import assert_as_plain, count_captures, load_script
 
 D = torch.float64
@@ -58,13 +58,13 @@ def test_a_compiled_helper_runs_its_original_code(engine):
 
 @pytest.mark.slow
 def test_the_compiled_engine_still_compiles_inside_a_clone_forward():
-    """The callbacks run the clone forward inside ``functions.active()``: the compiled engine's program must not
+    """The callbacks run the clone forward inside ``forward.active()``: the compiled engine's program must not
     inherit the forced-eager stance there."""
     torch.manual_seed(0)
     model = WithCompiledHelper(gated).to(D)
     x, u = torch.randn(4, 6, dtype=D), torch.randn(4, 6, dtype=D)
     torch._dynamo.utils.counters.clear()
-    with functions.active():
+    with forward.active():
         assert _stance() == "force_eager"
         jvpreg.jvp(model, (x,), (u,), engine="compiled")
         assert _stance() == "force_eager"

@@ -30,7 +30,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """The fallback warns once per op and process; start from a clean slate."""
-    monkeypatch.setattr(dispatch, "_WARNED", set())
+    monkeypatch.setattr(dispatch, "WARNED_FALLBACKS", set())
 
 
 # ----------------------------------------------------------------------------- (a) ops without rule or formula

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import jvpreg
-from jvpreg.clone.eager import stored_clones
+from jvpreg.clone.core import session
 from conftest import assert_as_plain
 
 DT = torch.float64
@@ -103,7 +103,7 @@ def test_stored_clone_is_the_primal_also_when_the_forward_raises():
     with pytest.raises(ValueError, match="boom"):
         jvpreg.jvp(model, (x,), (torch.randn_like(x),), engine="eager")
     assert type(model.kept) is torch.Tensor and torch.equal(model.kept, x * 2)
-    assert not stored_clones._ROOTS
+    assert session.current() is None  # nothing of the forward is kept
 
 
 def test_regularized_step_leaves_a_plain_model():
@@ -172,5 +172,5 @@ def test_stores_in_containers_dunder_dict_and_submodules_are_primal(engine, as_f
             assert type(got) is torch.Tensor and torch.allclose(got, ref.detach(), rtol=0, atol=1e-12)
         assert model.pair[1] == 3 and model.size == torch.Size([3, 4])
     assert all(type(t) is torch.Tensor for t in model.log) and len(model.log) == 3
-    assert not stored_clones._ROOTS
+    assert session.current() is None  # nothing of the forward is kept
 

@@ -91,7 +91,7 @@ def test_a_scripted_or_traced_module_takes_the_exact_fallback(kind, engine):
 def test_the_fallback_names_torchscript_and_the_cure(monkeypatch):
     from jvpreg.clone.eager import dispatch
 
-    monkeypatch.setattr(dispatch, "_WARNED", set())  # said once per process: not yet in this test
+    monkeypatch.setattr(dispatch, "WARNED_FALLBACKS", set())  # said once per process: not yet in this test
     model = _mlp()
     x, u = _inputs()
     with pytest.warns(JVPFallbackWarning, match=r"TorchScript.*call the Python original"):

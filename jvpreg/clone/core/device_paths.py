@@ -16,23 +16,26 @@ everything but the device's own kernels runs as it would there. ``meta`` tensors
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Iterator
 
 import torch
 
 __all__ = ["accelerator_path", "on_host", "simulated"]
 
-_SIMULATED = [False]
+# the setting of accelerator_path, scoped by its block like torch.no_grad (a context variable: the block's own thread
+# and tasks), read outside clone forwards too: the scales are chosen before one starts
+_SIMULATED = contextvars.ContextVar("jvpreg_accelerator_path", default=False)
 
 
 def on_host(t: torch.Tensor) -> bool:
     """Whether ``t`` takes the host's path: a CPU tensor, outside :func:`accelerator_path`."""
-    return t.device.type == "cpu" and not _SIMULATED[0]
+    return t.device.type == "cpu" and not _SIMULATED.get()
 
 
 def simulated() -> bool:
     """Inside :func:`accelerator_path` (part of a captured program's guard: each path records its own)."""
-    return _SIMULATED[0]
+    return _SIMULATED.get()
 
 
 @contextlib.contextmanager
@@ -45,9 +48,8 @@ def accelerator_path() -> Iterator[None]:
         >>> with jvpreg.clone.core.device_paths.accelerator_path():
         ...     y, t = jvpreg.jvp(model, (x,), (u,), engine="captured")  # the program a GPU would replay
     """
-    prev = _SIMULATED[0]
-    _SIMULATED[0] = True
+    token = _SIMULATED.set(True)
     try:
         yield
     finally:
-        _SIMULATED[0] = prev
+        _SIMULATED.reset(token)

@@ -10,8 +10,9 @@ masks or constants from its inputs behaves as it does without jvpreg. This is wh
 makes the engine safe for parameters and constants: only tensors that descend from
 the clone input are ``CloneTensor`` objects, whatever their shape.
 
-Every torch function that receives a ``CloneTensor`` is routed through
-:func:`dispatch`, which picks, in this order: a registered rule (nonlinear ops,
+Every torch function that receives a ``CloneTensor`` is routed through the dispatcher of
+the running clone forward's session (:mod:`jvpreg.clone.core.session`;
+:func:`jvpreg.clone.eager.dispatch.dispatch`), which picks, in this order: a registered rule (nonlinear ops,
 state computed from block 0), a fast path (affine and shape ops), or the exact
 fallback (``torch.func.jvp`` of that one op at block 0). Inside handlers the
 subclass' torch-function is disabled, so a ``CloneTensor`` behaves as its
@@ -24,6 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch._C import DisableTorchFunctionSubclass
 from jvpreg.clone.core.errors import CaptureError
+from jvpreg.clone.core.session import current
 
 
 class CloneTensor(torch.Tensor):
@@ -40,7 +42,8 @@ class CloneTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if not _ACTIVE[0]:
+        session = current()
+        if session is None:
             if func in METADATA:  # the physical batch's, as autograd saw it inside a rule
                 with DisableTorchFunctionSubclass():
                     return func(*args, **(kwargs or {}))
@@ -53,13 +56,15 @@ class CloneTensor(torch.Tensor):
                 f"jvpreg clone mode: {getattr(func, '__name__', func)} was called on a clone batch outside a clone "
                 "forward. Run the forward with jvpreg.clone.call(model, clones) (or jvpreg.jvp), which also "
                 "routes custom autograd.Functions; read its output with jvpreg.clone.unpack.")
-        return _DISPATCH[0](func, args, kwargs or {})
+        return session.dispatch(func, args, kwargs or {})
 
     def as_subclass(self, cls):
         # While a capture traces the clone forward (jvpreg.clone.program.capture), the physical tensor is
         # the tracked one: ``as_subclass`` itself is invisible to the tracer.
-        if _CAPTURING[0] is not None and cls is torch.Tensor:
-            return _tracked_phys(self)
+        if cls is torch.Tensor:
+            session = current()
+            if session is not None and session.tracer is not None:
+                return _tracked_phys(self)
         return torch.Tensor.as_subclass(self, cls)
 
     def __repr__(self, *, tensor_contents=None):  # pragma: no cover - cosmetic
@@ -75,24 +80,25 @@ class CloneTensor(torch.Tensor):
 # it by this name.
 CloneTensor.__module__ = "torch"
 
-_DISPATCH: list = [None]  # set by jvpreg.clone.eager.dispatch (which imports this module)
-METADATA: set = set()  # getters of metadata (shape, dtype, ...) answered outside a clone forward too, for the
-# physical batch: a clone that autograd saved inside a rule (subclass dispatch off) reads so there, and
-# torch.utils.checkpoint compares those reads with the same reads after its recomputation
-_ACTIVE: list = [0]  # depth of active clone forwards (jvpreg.clone.eager.functions.active)
-_TRANSFORM_LEVEL: list = [-1]  # the torch.func interpreter level the outermost clone forward began at (-1: none)
-_CAPTURING: list = [None]  # the tracer while jvpreg.clone.program.capture records a clone forward, else None
-_COMPILING: list = [False]  # the capture under way is for engine="compiled"
-_SWAPPED_CLONES: list = []  # (store, name, clone) of the parameter/buffer slots now holding a clone (swap_in)
+#: getters of metadata (shape, dtype, ...) answered outside a clone forward too, for the physical batch: a clone that
+#: autograd saved inside a rule (subclass dispatch off) reads so there, and torch.utils.checkpoint compares those reads
+#: with the same reads after its recomputation (a table, filled by :mod:`jvpreg.clone.rules.shape`)
+METADATA: set = set()
 
 
 def compiling() -> bool:
     """True while :mod:`jvpreg.clone.program.capture` records a program for ``engine="compiled"``: a rule may pick the
     formulation Inductor fuses best over the one with the fewest ops."""
-    return _CAPTURING[0] is not None and _COMPILING[0]
+    session = current()
+    return session is not None and session.tracer is not None and session.compiling
 
 
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def any_autocast() -> bool:
+    """Whether autocast is on for some device type (one call; ``True`` on a torch without that query)."""
+    return _ANY_AUTOCAST()
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -107,12 +113,14 @@ def autocast_enabled(device_type: str) -> bool:
 
 def capturing() -> bool:
     """True while :mod:`jvpreg.clone.program.capture` records a clone forward (a value read by Python would raise)."""
-    return _CAPTURING[0] is not None
+    session = current()
+    return session is not None and session.tracer is not None
 
 
 def track(clone: CloneTensor, phys: torch.Tensor) -> CloneTensor:
     """While capturing: make the tracer see ``clone`` as the tracked physical tensor ``phys``."""
-    tracer = _CAPTURING[0]
+    session = current()
+    tracer = None if session is None else session.tracer
     if tracer is not None:
         from torch.fx.experimental import proxy_tensor
 
@@ -200,23 +208,25 @@ def delta_blocks(t: Any, *, nonfinite: bool = True) -> torch.Tensor | None:
 
 def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:
     """View a physical ``(K, *L)`` tensor as a :class:`CloneTensor`."""
+    session = current()
+    tracer = None if session is None else session.tracer
     if type(phys) is CloneTensor:
         with DisableTorchFunctionSubclass():
             out = torch.Tensor.as_subclass(phys, CloneTensor)
-            _claim(out, phys)
-            if _CAPTURING[0] is not None:
+            claim(out, phys)
+            if tracer is not None:
                 phys = _tracked_phys(phys)
     else:
         out = phys.as_subclass(CloneTensor)
-        _claim(out, phys)
+        claim(out, phys)
     if state:
         out._jvp_state = True
-    if _CAPTURING[0] is not None:
+    if tracer is not None:
         track(out, phys)
     return out
 
 
-def _claim(out: CloneTensor, phys: torch.Tensor) -> None:
+def claim(out: CloneTensor, phys: torch.Tensor) -> None:
     """``out`` owns the base of ``phys``'s storage if it covers all of it and no clone owned it before.
 
     A clone is an autograd alias of its physical batch, so autograd takes every clone for a view. The owner stands

@@ -17,9 +17,10 @@ that of a checkpointed forward of the clone batch.
 * torch's checkpoint keeps the region's inputs and reads their metadata outside the clone forward: it is handed
   them as plain physical batches, and the recomputed function gets them back as clone batches.
 
-While a capture records the clone forward with gradients enabled, a checkpoint runs its region inline and the
-program calls the recorded region through torch's checkpoint (:mod:`jvpreg.clone.program.checkpointed_regions`); without
-gradients nothing is saved, and the region is recorded inline.
+While a capture records the clone forward with gradients enabled, a checkpoint runs what the capture put in the
+forward's session instead (``record_checkpoint``: :mod:`jvpreg.clone.program.checkpointed_regions` records the region
+inline, and the program calls it through torch's checkpoint); without gradients nothing is saved, and the region is
+recorded inline.
 """
 from __future__ import annotations
 
@@ -32,22 +33,22 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch._C import _EnableTorchFunction
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from jvpreg.clone import api
-from jvpreg.clone.program import checkpointed_regions
-from jvpreg.clone.eager import functions
-from jvpreg.clone.core.tensor import _SWAPPED_CLONES, CloneTensor, capturing, wrap
+from jvpreg.clone.core.session import Session, current, register_route
+from jvpreg.clone.core.tensor import CloneTensor, wrap
+from jvpreg.clone.eager import functions, parameter_slots
+from jvpreg.clone.eager.forward import active
 
 _NAMES = ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
 _ORIGINALS = {name: getattr(torch_checkpoint, name) for name in _NAMES if hasattr(torch_checkpoint, name)}
 
 
-def install() -> None:
+def install(session: Session) -> None:
     """Route every checkpoint (called when the outermost clone forward starts)."""
     for name, routed in _ROUTED.items():
         setattr(torch_checkpoint, name, routed)
 
 
-def uninstall() -> None:
+def uninstall(session: Session) -> None:
     for name, original in _ORIGINALS.items():
         setattr(torch_checkpoint, name, original)
 
@@ -59,9 +60,10 @@ def _routed(original: Callable) -> Callable:
     @functools.wraps(original)
     def generator(fn, *args, **kwargs):
         bound = signature.bind(fn, *args, **kwargs)
-        if capturing() and torch.is_grad_enabled():  # recorded inline, replayed as a checkpointed sub-program
-            return checkpointed_regions.open_region({k: v for k, v in bound.arguments.items()
-                                                     if k not in ("fn", "args", "kwargs")})
+        session = current()
+        record = None if session is None else session.record_checkpoint
+        if record is not None and torch.is_grad_enabled():  # a capture records it (a checkpointed sub-program)
+            return record({k: v for k, v in bound.arguments.items() if k not in ("fn", "args", "kwargs")})
         leaves, spec = tree_flatten((tuple(bound.arguments.get("args", ())), dict(bound.arguments.get("kwargs", {}))))
         marks = {}  # leaf position -> (physical shape, the clone's state flag)
         for i, leaf in enumerate(leaves):
@@ -86,7 +88,7 @@ def recomputed_in_clone_mode(fn: Callable, marks: Optional[Dict[int, tuple]] = N
     physical shape and state flag, and ``fn`` gets them back there as clone batches (a position that holds no tensor
     of that shape is an error, never a recomputation on the wrong rows). The clones that parameter slots hold now are
     put back for it, and it runs in clone mode."""
-    slots: List[tuple] = list(_SWAPPED_CLONES)
+    slots: List[tuple] = list(parameter_slots.swapped())
     marks = dict(marks or {})
 
     @functools.wraps(fn)
@@ -103,12 +105,12 @@ def recomputed_in_clone_mode(fn: Callable, marks: Optional[Dict[int, tuple]] = N
                         f"this region without checkpointing, or report your torch version ({torch.__version__}).")
                 leaves[i] = wrap(leaf, state=state)
             args, kwargs = tree_unflatten(leaves, spec)
-        saved = api.put_in([s for s in slots if s[0].get(s[1]) is not s[2]])
+        saved = parameter_slots.put_in([s for s in slots if s[0].get(s[1]) is not s[2]])
         try:
-            with functions.active(), _EnableTorchFunction():
+            with active(), _EnableTorchFunction():
                 return fn(*args, **kwargs)
         finally:
-            api.restore(saved)
+            parameter_slots.restore(saved)
 
     return run
 
@@ -125,3 +127,4 @@ def reentrant_rule(args, kwargs):
 
 
 functions.register_function_rule(torch_checkpoint.CheckpointFunction, always=True)(reentrant_rule)
+register_route(install, uninstall)

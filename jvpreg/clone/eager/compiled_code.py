@@ -16,18 +16,19 @@ Python between the graphs.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List
+from typing import Iterator
 
 import torch
 import torch._dynamo
 
-try:  # torch.compiler.set_stance's own setter (2.6+), with the stance built once: 1 µs a clone forward, not 4
+from jvpreg.clone.core.session import Session, current, register_route
+
+try:  # torch.compiler.set_stance's own setter (2.6+) and the stance built once (set_stance builds both at every call)
     from torch._dynamo.eval_frame import DynamoStance, _set_stance
 
     _FORCE_EAGER = DynamoStance("force_eager")
 except ImportError:  # pragma: no cover - torch without stances: compiled functions are left as they are
     _set_stance = None
-_PRIOR: List[object] = []  # per outermost clone forward: the caller's stance (None: left as it was)
 
 
 BETWEEN_GRAPHS = ("jvpreg's engine runs between torch.compile graphs (Dynamo cannot trace clone batches); call it "
@@ -42,22 +43,26 @@ def between_graphs(fn):
         return torch.compiler.disable(fn)
 
 
-def force_eager() -> None:
-    """Set the ``"force_eager"`` stance (called when the outermost clone forward starts)."""
+def force_eager(session: Session) -> None:
+    """Set the ``"force_eager"`` stance (when the outermost clone forward starts); the caller's is kept in the
+    session (``None``: left as it was)."""
     prior = None
     if _set_stance is not None:
         try:
             prior = _set_stance(_FORCE_EAGER)
         except RuntimeError:  # inside a torch.compile region: Dynamo is tracing this code, leave it be
             prior = None
-    _PRIOR.append(prior)
+    session.saved[__name__] = prior
 
 
-def restore() -> None:
-    """Put the caller's stance back (called when the outermost clone forward ends)."""
-    prior = _PRIOR.pop() if _PRIOR else None
+def restore(session: Session) -> None:
+    """Put the caller's stance back (when the outermost clone forward ends)."""
+    prior = session.saved.pop(__name__, None)
     if prior is not None:
         _set_stance(prior)
+
+
+register_route(force_eager, restore)
 
 
 @contextlib.contextmanager
@@ -75,7 +80,8 @@ def traced_through() -> Iterator[None]:
 @contextlib.contextmanager
 def caller_stance() -> Iterator[None]:
     """The stance the caller had, inside a clone forward (the compiled engine's program is compiled code)."""
-    prior = _PRIOR[-1] if _PRIOR else None
+    session = current()
+    prior = None if session is None else session.saved.get(__name__)
     if prior is None:
         yield
         return

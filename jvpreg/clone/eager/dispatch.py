@@ -18,6 +18,7 @@ Order of resolution for ``func(*args, **kwargs)`` with at least one clone argume
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import types
 import warnings
 from typing import Any, Callable
@@ -31,25 +32,28 @@ from jvpreg.clone.core.errors import CaptureError, JVPFallbackWarning, Unsupport
 from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse, ORIGINAL_OF
 from jvpreg.clone.core.registry import (COMPLEX_AFFINE, COMPLEX_AFFINE_MODULES, COMPLEX_EXACT, HANDLERS, REENTRANT,
     op_name, bind_arguments)
-from jvpreg.clone.core import tensor as tensor_module
-from jvpreg.clone.core.tensor import CloneTensor, block_delta, is_clone, stack_blocks, tile, wrap, wrap_tree
+from jvpreg.clone.core.session import current
+from jvpreg.clone.core.tensor import (CloneTensor, block_delta, capturing, is_clone, stack_blocks, tile, wrap,
+    wrap_tree)
 from jvpreg.clone.eager.writes import detached_target, write_back
 
 
-_FALLBACK = {"mode": "jvp"}  # "jvp" (exact fallback, warn once) | "error"
-_WARNED: set = set()
-_RECORD: list = []  # stack of lists collecting the names of ops that took the fallback (record_fallbacks)
+_FALLBACK = {"mode": "jvp"}  # the user's setting: set_fallback, fallback_mode, get_fallback
+#: the names of the ops whose fallback warning was given: each is said once per process (clear it to hear them again)
+WARNED_FALLBACKS: set = set()
+# the lists record_fallbacks collects into, innermost last, scoped by their blocks (they span several clone forwards)
+_RECORDS: contextvars.ContextVar = contextvars.ContextVar("jvpreg_fallback_records", default=())
 
 
 @contextlib.contextmanager
 def record_fallbacks():
     """Collect the names of the ops that run through the exact fallback inside the block (yields a list)."""
     seen: list = []
-    _RECORD.append(seen)
+    token = _RECORDS.set(_RECORDS.get() + (seen,))
     try:
         yield seen
     finally:
-        _RECORD.remove(seen)
+        _RECORDS.reset(token)
 
 
 def set_fallback(mode: str) -> None:
@@ -57,6 +61,11 @@ def set_fallback(mode: str) -> None:
     if mode not in ("jvp", "error"):
         raise ValueError(f"set_fallback(mode): expected 'jvp' or 'error', got {mode!r}")
     _FALLBACK["mode"] = mode
+
+
+def get_fallback() -> str:
+    """What ops without a rule do now (:func:`set_fallback`): ``"jvp"`` or ``"error"``."""
+    return _FALLBACK["mode"]
 
 
 @contextlib.contextmanager
@@ -120,9 +129,9 @@ def check_not_custom_output(values: Any) -> None:
 def _check_transform_level(func: Callable) -> None:
     """Raise where a clone batch reaches an op inside a ``torch.func`` transform entered during the clone forward: it
     got there by a closure (a transform's arguments are routed: :mod:`jvpreg.clone.eager.nested_transforms`), and functorch
-    would treat its blocks as samples (``vmap(lambda w: tanh(x @ w))(W)``: 10.3 off)."""
+    would treat its blocks as samples (``vmap(lambda w: tanh(x @ w))(W)``: a wrong JVP)."""
     top = torch._C._functorch.peek_interpreter_stack()
-    if top is not None and top.level() > tensor_module._TRANSFORM_LEVEL[0]:
+    if top is not None and top.level() > current().transform_level:
         raise UnsupportedOpError(
             f"jvpreg clone mode: {op_name(func)} ran on a clone batch inside a torch.func transform (vmap, grad, ...) "
             "that captured it by closure, not as an argument: functorch would treat its blocks as samples (a wrong "
@@ -263,11 +272,9 @@ def decomposition(func: Callable) -> Callable | None:
     return body
 
 
-tensor_module._DISPATCH[0] = dispatch
-
-
-def flat_clones(args: tuple, kwargs: dict):
-    """``(flat, spec, idx)``: the call's arguments as pytree leaves, their spec, and the positions of the clones."""
+def flat_clones(args: tuple, kwargs: dict) -> tuple:
+    """``(flat, spec, idx)``: the leaves of ``(args, kwargs)``, their pytree spec, and the positions of the clone
+    batches among them."""
     flat, spec = tree_flatten((args, kwargs))
     idx = [i for i, v in enumerate(flat) if type(v) is CloneTensor]
     return flat, spec, idx
@@ -363,7 +370,7 @@ def per_block(func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*a2, **k2)
 
     phys = [flat[i].as_subclass(torch.Tensor) for i in idx]
-    if tensor_module._CAPTURING[0] is not None:  # a capture records plain ops: one call per block
+    if capturing():  # a capture records plain ops: one call per block
         outs = [g(*(p[j] for p in phys)) for j in range(phys[0].shape[0])]
         out = tree_map(lambda *ts: torch.stack(ts) if isinstance(ts[0], torch.Tensor) else ts[0], *outs)
         return wrap_tree(out, lambda t: wrap(t, state=state))
@@ -375,13 +382,15 @@ def _is_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
-def _rng_state(device: torch.device):
+def rng_state(device: torch.device) -> tuple:
+    """The random number generators' state a call on ``device`` draws from: the CPU's, and the device's on CUDA."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return cpu, cuda
 
 
-def _set_rng_state(state, device: torch.device) -> None:
+def set_rng_state(state: tuple, device: torch.device) -> None:
+    """Put back the state :func:`rng_state` read."""
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
@@ -417,7 +426,7 @@ def _unit_scale(primals: tuple, tangents: tuple) -> torch.Tensor:
     differentiates along ``c d`` and divides by ``c`` (exact: powers of two), so ``torch.func.jvp`` sees a tangent of the
     primal's size, not the clone block's ``s u`` (``s`` ~ 2^40 rms(x) / rms(u)). Linear in exact arithmetic, some
     forward-mode formulas are not in floating point: ``matrix_exp``'s (the exponential of ``[[X, D], [0, X]]``, whose
-    scaling-and-squaring follows ``||D||``) was 23% off in float32 along ``s u``."""
+    scaling-and-squaring follows ``||D||``) loses float32's precision along ``s u``, not along ``c d``."""
     with torch.no_grad():
         def norm(ts):
             sq = [torch.linalg.vector_norm(t.detach().abs() if t.is_complex() else t.detach(), dtype=torch.float64)
@@ -527,11 +536,10 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
 
     if not diff:
         return state_eval(func, args, kwargs)
-    if tensor_module._CAPTURING[0] is not None:
-
+    if capturing():
         raise CaptureError(f"{name} has no clone rule and its exact per-op fallback (torch.func.jvp) runs "
                            "eagerly only")
-    for seen in _RECORD:
+    for seen in _RECORDS.get():
         seen.append(name)
     if _FALLBACK["mode"] == "error":
         raise UnsupportedOpError(
@@ -554,7 +562,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     _load_forward_ad()
     primals = tuple(_dense(flat[i][0]) for i in diff)
     device = primals[0].device
-    rng = _rng_state(device) if k > 2 else None
+    rng = rng_state(device) if k > 2 else None
     reverse = _forward_ad_is_wrong(func, args, kwargs)
     tangent_outs = []
     out0 = None
@@ -573,7 +581,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
             c = _unit_scale(primals, tangents)
             tangents = tuple(t * c for t in tangents)
             if rng is not None:
-                _set_rng_state(rng, device)
+                set_rng_state(rng, device)
             try:
                 t_fl, out = linearise(tangents)
             except Exception as err:  # no forward-mode formula: the same derivative in reverse mode
@@ -581,7 +589,7 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
                     raise
                 reverse = True
                 if rng is not None:
-                    _set_rng_state(rng, device)
+                    set_rng_state(rng, device)
                 t_fl, out = linearise(tangents)
             if out0 is None:
                 out0 = out
@@ -601,8 +609,8 @@ def fallback(func: Callable, args: tuple, kwargs: dict) -> Any:
     if any(isinstance(l, torch.Tensor) and l.layout != torch.strided for l in leaves):
         raise UnsupportedOpError(f"jvpreg clone mode: {name} returns a sparse tensor, which cannot hold the stacked "
                                  "blocks of a clone batch; keep the forward dense (or densify before the call).")
-    if name not in _WARNED and _FALLBACK["mode"] == "jvp" and any(_is_float(l) for l in leaves):
-        _WARNED.add(name)
+    if name not in WARNED_FALLBACKS and _FALLBACK["mode"] == "jvp" and any(_is_float(l) for l in leaves):
+        WARNED_FALLBACKS.add(name)
         warnings.warn(
             f"jvpreg: no clone rule for {name}; using the exact "
             f"{'reverse-mode (two backward passes)' if reverse else 'torch.func.jvp'} fallback, which is "

@@ -2,24 +2,24 @@
 
 ``Function.apply`` does not go through ``__torch_function__``: left alone, a custom Function would
 run its forward on the raw batch and its backward on tangent blocks as if they were samples. The
-engine therefore wraps ``Function.apply`` while a clone forward runs (:func:`active`, entered by
-:func:`jvpreg.clone.call`; the original is put back when the outermost forward ends, so nothing of
-torch's global state is changed outside a clone forward): a call whose arguments hold a clone batch is routed to a rule registered for that Function class
-(:func:`register_function_rule`), else to the exact fallback (``torch.func.jvp``, which needs the
-Function to define ``setup_context`` and ``jvp``), else to a clear error. Calls without clone
-arguments go straight to the original ``apply``.
+engine therefore wraps ``Function.apply`` while a clone forward runs (a route of the forward's session,
+:mod:`jvpreg.clone.core.session`; the original is put back when the outermost forward ends, so nothing of
+torch's global state is changed outside a clone forward): a call whose arguments hold a clone batch is
+routed to a rule registered for that Function class (:func:`register_function_rule`), else to the exact
+fallback (``torch.func.jvp``, which needs the Function to define ``setup_context`` and ``jvp``), else to a
+clear error. Calls without clone arguments go straight to the original ``apply``.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, Iterator
+from typing import Callable, Dict
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from jvpreg.clone.eager import stored_clones
+from jvpreg.clone.core.errors import CaptureError
+from jvpreg.clone.core.session import Session, register_route
+from jvpreg.clone.core.tensor import capturing, iter_clones
 from jvpreg.clone.eager.dispatch import fallback
-from jvpreg.clone.core.tensor import _ACTIVE, _CAPTURING, _TRANSFORM_LEVEL, iter_clones
 
 FUNCTION_RULES: Dict[type, Callable] = {}
 ALWAYS_ROUTED: set = set()  # Function classes whose rule runs inside a clone forward even without clone arguments
@@ -53,45 +53,24 @@ class _FunctionCall:
         return self.orig(self.cls, *args, **kwargs)
 
 
-@contextlib.contextmanager
-def active(called: Any = None, arguments: Any = ()) -> Iterator[None]:
-    """Scope of a clone forward (reentrant): ``Function.apply`` is routed for clone arguments inside it; the clone
-    batches the forward stores on the modules of ``called`` (the module or function it runs) and into the lists and
-    dicts among ``arguments`` (its ``(args, kwargs)``) are replaced by their primals at the end
-    (:mod:`jvpreg.clone.eager.stored_clones`)."""
-    if _ACTIVE[0] == 0:
-        top = torch._C._functorch.peek_interpreter_stack()
-        _TRANSFORM_LEVEL[0] = -1 if top is None else top.level()
-        _install()
-    if called is not None or arguments:
-        stored_clones.watch(called, arguments)
-    _ACTIVE[0] += 1
-    try:
-        yield
-    finally:
-        _ACTIVE[0] -= 1
-        if _ACTIVE[0] == 0:
-            _uninstall()
-
-
 _ORIG_APPLY = torch.autograd.Function.__dict__["apply"]  # a classmethod (Python or C descriptor)
 
 
-def _orig(cls, *args, **kwargs):
+def original_apply(cls: type, *args, **kwargs):
+    """``cls.apply(*args, **kwargs)`` as torch runs it, outside the route (a rule that applies the Function itself
+    to physical batches)."""
     return _ORIG_APPLY.__get__(None, cls)(*args, **kwargs)
 
 
 def _apply(cls, *args, **kwargs):
     if next(iter_clones((args, kwargs)), None) is None and cls not in ALWAYS_ROUTED:
-        if _CAPTURING[0] is not None and torch.is_grad_enabled() and not _operator_autograd(cls):
-            from jvpreg.clone.core.errors import CaptureError
-
+        if capturing() and torch.is_grad_enabled() and not _operator_autograd(cls):
             raise CaptureError(f"the custom autograd.Function {cls.__qualname__} runs on plain tensors (its "
                                "backward would not be replayed)")
-        return _orig(cls, *args, **kwargs)
+        return original_apply(cls, *args, **kwargs)
     rule = FUNCTION_RULES.get(cls)
     with DisableTorchFunctionSubclass():
-        out = rule(args, kwargs) if rule is not None else fallback(_FunctionCall(cls, _orig), args, kwargs)
+        out = rule(args, kwargs) if rule is not None else fallback(_FunctionCall(cls, original_apply), args, kwargs)
     for leaf in iter_clones(out):
         leaf._jvp_routed = True
     return out
@@ -103,35 +82,13 @@ def _operator_autograd(cls: type) -> bool:
     return cls.__module__ == "torch._library.autograd"
 
 
-_HOOKS: list = []  # (install, uninstall) of the other global routes a clone forward needs (imported once)
-
-
-def _hooks() -> list:
-    if not _HOOKS:
-        from jvpreg.clone.eager import checkpointing, compiled_code, made_tensors, nested_transforms, torchscript
-        from jvpreg.clone.rules import flex_attention
-
-        _HOOKS.extend([(checkpointing.install, checkpointing.uninstall),
-                       (flex_attention.install, flex_attention.uninstall),
-                       (compiled_code.force_eager, compiled_code.restore),
-                       (torchscript.install, torchscript.uninstall),
-                       (nested_transforms.install, nested_transforms.uninstall),
-                       (made_tensors.install, made_tensors.uninstall),
-                       (_nothing, stored_clones.release)])
-    return _HOOKS
-
-
-def _nothing() -> None:
-    pass
-
-
-def _install() -> None:
+def install(session: Session) -> None:
+    """Route ``Function.apply`` (when the outermost clone forward starts)."""
     torch.autograd.Function.apply = classmethod(_apply)
-    for install, _ in _hooks():
-        install()
 
 
-def _uninstall() -> None:
+def uninstall(session: Session) -> None:
     torch.autograd.Function.apply = _ORIG_APPLY
-    for _, uninstall in reversed(_hooks()):
-        uninstall()
+
+
+register_route(install, uninstall)

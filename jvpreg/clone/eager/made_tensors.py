@@ -25,8 +25,9 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from jvpreg.clone.core.tensor import _CAPTURING, CloneTensor, _claim, iter_clones, tile, track
 from jvpreg.clone.core.errors import BatchWriteError, STATE_WRITE_HINT
+from jvpreg.clone.core.session import Session, current, register_route
+from jvpreg.clone.core.tensor import CloneTensor, capturing, claim, iter_clones, tile, track
 
 _FACTORIES = {
     torch: ("zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like", "full_like"),
@@ -34,8 +35,6 @@ _FACTORIES = {
 }
 _ORIGINALS: Dict[tuple, Callable] = {(owner, name): getattr(owner, name)
                                      for owner, names in _FACTORIES.items() for name in names}
-_MADE: Dict[int, weakref.ref] = {}  # id -> tensor made by a factory during the clone forward under way (a dict:
-# a WeakSet compares tensors with ==)
 
 
 def _noting(factory: Callable) -> Callable:
@@ -43,7 +42,9 @@ def _noting(factory: Callable) -> Callable:
     def make(*args, **kwargs):
         out = factory(*args, **kwargs)
         if type(out) is torch.Tensor and (out.is_floating_point() or out.is_complex()):
-            _MADE[id(out)] = weakref.ref(out)
+            session = current()
+            if session is not None:  # (none in a thread the clone forward does not run in)
+                session.made[id(out)] = weakref.ref(out)  # by id: a WeakSet would compare tensors with ==
         return out
 
     return make
@@ -74,17 +75,26 @@ def _known_to_torchscript() -> None:
 _known_to_torchscript()
 
 
-def install() -> None:
-    """Factories note what they make (entering the outermost clone forward)."""
+def install(session: Session) -> None:
+    """Factories note what they make in the session (entering the outermost clone forward)."""
     for (owner, name), factory in _NOTING.items():
         setattr(owner, name, factory)
 
 
-def uninstall() -> None:
-    """The plain factories again, and nothing noted (leaving the outermost clone forward)."""
+def uninstall(session: Session) -> None:
+    """The plain factories again (leaving the outermost clone forward; what was noted goes with its session)."""
     for (owner, name), factory in _ORIGINALS.items():
         setattr(owner, name, factory)
-    _MADE.clear()
+
+
+register_route(install, uninstall)
+
+
+def _made(target: Any) -> bool:
+    """``target`` is a tensor a factory made in the running clone forward."""
+    session = current()
+    made = None if session is None else session.made.get(id(target))
+    return made is not None and made() is target
 
 
 def blocks_of(*values: Any) -> Optional[int]:
@@ -107,8 +117,7 @@ def _sole(t: torch.Tensor) -> bool:
 
 def _why_not(target: Any) -> str:
     """For a refused write's error: why a tensor this forward made was not filled (``""`` for any other tensor)."""
-    made = _MADE.get(id(target))
-    if made is None or made() is not target:
+    if not _made(target):
         return ""
     if target.requires_grad:
         return " (The tensor was made in this forward but requires grad: make it without requires_grad=True.)"
@@ -120,8 +129,7 @@ def _promoted(target: Any, k: Optional[int]) -> bool:
     """Turn ``target``, a plain tensor made by a factory in this clone forward, into a state clone of ``k`` blocks
     (in place: the same Python object) so that batch data can be written into it; ``False`` where that would not be
     exact (see the module docstring)."""
-    made = _MADE.get(id(target))
-    if (k is None or type(target) is not torch.Tensor or made is None or made() is not target or target.requires_grad
+    if (k is None or type(target) is not torch.Tensor or not _made(target) or target.requires_grad
             or target._base is not None or not _sole(target)):
         return False
     with DisableTorchFunctionSubclass():
@@ -129,10 +137,10 @@ def _promoted(target: Any, k: Optional[int]) -> bool:
         target.data = phys  # the same tensor object, now K blocks (a capture records tile's ops, not this)
     target.__class__ = CloneTensor
     target._jvp_state = True
-    _claim(target, phys)
-    if _CAPTURING[0] is not None:
+    claim(target, phys)
+    if capturing():
         track(target, phys)
-    del _MADE[id(target)]
+    del current().made[id(target)]
     return True
 
 

@@ -1,9 +1,9 @@
 """``torch.func`` transforms inside a clone forward: a model whose forward calls ``vmap``, ``grad``, ``jacrev``...
 
 functorch wraps a transform's inputs in C++ (a batched or grad-tracking tensor): a clone batch would lose its
-subclass there and the transform's ops would treat its blocks as samples (a per-sample ``vmap`` in a forward gave a
-JVP 0.59 off, an input-gradient feature ``grad(f)(x) * x`` 0.61 off, silently). While a clone forward runs
-(:func:`install`, from :func:`jvpreg.clone.eager.functions.active`):
+subclass there and the transform's ops would treat its blocks as samples (a per-sample ``vmap`` in a forward, an
+input-gradient feature ``grad(f)(x) * x``: wrong JVPs, silently). While a clone forward runs (:func:`install`, a
+route of its session: :mod:`jvpreg.clone.core.session`):
 
 * ``torch.vmap`` / ``torch.func.vmap``, ``torch.func.grad`` and ``grad_and_value`` called on clone arguments are one op
   to the engine: the exact fallback (:func:`jvpreg.clone.eager.dispatch.fallback`) linearises the whole transformed call at
@@ -11,9 +11,9 @@ JVP 0.59 off, an input-gradient feature ``grad(f)(x) * x`` 0.61 off, silently). 
   in eager clone mode);
 * any other transform that would wrap a clone batch (``vjp``, ``jacrev``, ``jvp``, ``jacfwd``, ``hessian``) raises
   :class:`UnsupportedOpError` naming it, where functorch wraps it;
-* a clone batch that reaches a transform by closure (``vmap(lambda w: tanh(x @ w))(W)``: 10.3 off before) raises at
-  its first op inside (the engine's dispatch compares functorch's interpreter level with the one the clone forward
-  began at: :func:`jvpreg.clone.eager.dispatch._check_transform_level`).
+* a clone batch that reaches a transform by closure (``vmap(lambda w: tanh(x @ w))(W)``) raises at its first op
+  inside (the engine's dispatch compares functorch's interpreter level with the one the clone forward's session
+  began at: :func:`jvpreg.clone.eager.dispatch.dispatch`).
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from torch._functorch import apis, eager_transforms
 from torch._functorch import vmap as vmap_module
 
 from jvpreg.clone.core.errors import UnsupportedOpError
-from jvpreg.clone.eager.dispatch import fallback
+from jvpreg.clone.core.session import Session, register_route
 from jvpreg.clone.core.tensor import iter_clones
+from jvpreg.clone.eager.dispatch import fallback
 
 # (module, name): the callable there, looked up by functorch at call time
 _ROUTED_NAMES = ((apis, "vmap_impl"), (eager_transforms, "grad_impl"), (eager_transforms, "grad_and_value_impl"))
@@ -94,12 +95,15 @@ _REPLACEMENTS = {(apis, "vmap_impl"): _vmap_impl,
                  **{(m, n): _guarded(n) for m, n in _GUARDED_NAMES}}
 
 
-def install() -> None:
+def install(session: Session) -> None:
     """Route the transforms (when the outermost clone forward starts)."""
     for (module, name), replacement in _REPLACEMENTS.items():
         setattr(module, name, replacement)
 
 
-def uninstall() -> None:
+def uninstall(session: Session) -> None:
     for (module, name), original in _ORIGINALS.items():
         setattr(module, name, original)
+
+
+register_route(install, uninstall)

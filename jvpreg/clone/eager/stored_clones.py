@@ -18,8 +18,9 @@ with its autograd history where it has one). A stored value is then a constant o
 self.buf[...] = h``) is a clone batch by then (:mod:`jvpreg.clone.eager.made_tensors`) and is found as well.
 
 Searched afterwards rather than noted when stored: catching ``nn.Module.__setattr__`` means assigning it on the
-class, which re-derives the slot of each of its hundreds of subclasses (0.3-0.6 ms per clone forward, more than a
-small model's whole JVP), and would not see ``self.__dict__[name] = h`` or ``self.log.append(h)``.
+class, which re-derives the slot of each of its hundreds of subclasses at every clone forward (more than a small
+model's whole JVP: experiments/results/stored_clones_cpu.md), and would not see ``self.__dict__[name] = h`` or
+``self.log.append(h)``.
 
 Not seen: stores on a module outside the called modules' trees (for a function: outside the modules its closure or
 bound ``self`` holds), in an object that is neither passed in, nor a module, list, tuple or dict, or in a hook's
@@ -28,17 +29,16 @@ closure.
 from __future__ import annotations
 
 import collections
-from typing import Any, List, Optional, Set, Tuple
+from typing import Any, List, Optional, Set
 
 import torch
 from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 
-from jvpreg.clone.program.side_effects import is_held_object
+from jvpreg.clone.core.held_objects import is_held_object
+from jvpreg.clone.core.session import Session
 from jvpreg.clone.core.tensor import CloneTensor
 
-_ROOTS: List[nn.Module] = []  # the modules the eager clone forward under way was called on
-_ARGUMENTS: List[Tuple[Any, Set[int]]] = []  # (a list or dict passed to it, ids of the clone batches it held then)
 _SKIPPED = frozenset({"_parameters", "_modules"})  # parameters (a swapped-in clone is put back by its swap), submodules
 _DEPTH = 3  # containers searched inside containers
 _NESTED = frozenset({list, tuple, dict})
@@ -46,31 +46,31 @@ _LEAVES = frozenset({bool, int, float, str, type(None), torch.Tensor, nn.Paramet
                      collections.OrderedDict, set})  # searched no further: most of a module's state
 
 
-def watch(fn: Any, arguments: Any = ()) -> None:
+def watch(session: Session, fn: Any, arguments: Any = ()) -> None:
     """Search the modules ``fn`` runs (a module, a bound method's module, the modules a function's closure holds),
-    and the lists and dicts among ``arguments`` (the call's ``(args, kwargs)``), when the outermost clone forward
-    ends (a replayed program stores nothing: only eager forwards and traces)."""
+    and the lists and dicts among ``arguments`` (the call's ``(args, kwargs)``), when ``session``'s outermost clone
+    forward ends (a replayed program stores nothing: only eager forwards and traces)."""
+    roots = session.watched_modules
     for root in _modules_of(fn):
-        if not any(r is root for r in _ROOTS):
-            _ROOTS.append(root)
+        if not any(r is root for r in roots):
+            roots.append(root)
     containers = _mutable(arguments, _DEPTH + 2)  # (args, kwargs) and args: two levels of the call's own
     if containers:
         passed = set()  # the clone batches passed in stay where they are (the call's inputs), as deep as searched
         _clone_ids(arguments, 2 * _DEPTH + 2, passed)
-        _ARGUMENTS.extend((c, passed) for c in containers if not any(c is d for d, _ in _ARGUMENTS))
+        watched = session.watched_arguments
+        watched.extend((c, passed) for c in containers if not any(c is d for d, _ in watched))
 
 
-def release() -> None:
-    """Replace every clone batch stored on the watched modules by its primal (leaving the outermost clone forward)."""
-    if _ARGUMENTS:
-        arguments, _ARGUMENTS[:] = list(_ARGUMENTS), []
-        for container, passed in arguments:
-            _released(container, _DEPTH + 1, keep=passed)
-    if not _ROOTS:
-        return
-    stack, _ROOTS[:] = list(_ROOTS), []
+def release(session: Session) -> None:
+    """Replace every clone batch stored on the modules and containers ``session`` watched by its primal (when its
+    outermost clone forward has ended)."""
+    arguments, session.watched_arguments = session.watched_arguments, []
+    for container, passed in arguments:
+        _released(container, _DEPTH + 1, keep=passed)
+    stack, session.watched_modules = session.watched_modules, []
     seen = set()
-    while stack:  # nn.Module.modules() costs a generator per module: 0.25 ms on a ResNet-50
+    while stack:  # by hand: nn.Module.modules() would cost a generator per module
         module = stack.pop()
         if id(module) in seen:
             continue

@@ -1,10 +1,10 @@
 """TorchScript inside a clone forward: its ops run in C++, out of ``__torch_function__``'s sight, so routed here.
 
 A scripted function or module called on a clone batch would run its ops on the physical ``(K, *shape)`` tensor as
-if the blocks were samples: every nonlinearity would take its state from each block (``tanh(x) * sigmoid(x)``: 0.49
-off), a silently wrong JVP. While a clone forward runs (:func:`install`, from :func:`jvpreg.clone.eager.functions.active`)
-calls of ``torch.jit.ScriptFunction`` and ``torch.ScriptMethod`` (a scripted or traced module's ``forward``) with a
-clone argument are routed:
+if the blocks were samples: every nonlinearity would take its state from each block (``tanh(x) * sigmoid(x)``),
+a silently wrong JVP. While a clone forward runs (:func:`install`, a route of its session:
+:mod:`jvpreg.clone.core.session`) calls of ``torch.jit.ScriptFunction`` and ``torch.ScriptMethod`` (a scripted or
+traced module's ``forward``) with a clone argument are routed:
 
 * a scripted *function* runs its Python original (``torch.jit.script`` keeps it for Dynamo as
   ``_torchdynamo_inline``), op by op through the rules, as :mod:`jvpreg.clone.eager.compiled_code` runs compiled code;
@@ -21,8 +21,9 @@ from typing import Any, Callable
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from jvpreg.clone.eager.dispatch import fallback
+from jvpreg.clone.core.session import Session, register_route
 from jvpreg.clone.core.tensor import iter_clones
+from jvpreg.clone.eager.dispatch import fallback
 
 _ORIGINALS = {cls: cls.__call__ for cls in (torch.jit.ScriptFunction, torch.ScriptMethod)}
 HINT = ("TorchScript runs its ops in C++, where clone rules cannot see them: call the Python original (the function "
@@ -40,7 +41,7 @@ class _ScriptCall:
         self.__module__ = "torch.jit"
         self.hint = HINT
         self.reverse_mode = True  # TorchScript's forward AD: right on the first call only (then a profiled graph
-        # without it: 0.067 off, or no tangent at all through dual tensors); its reverse mode is what training uses
+        # without it: a wrong tangent, or none at all through dual tensors); its reverse mode is what training uses
 
     def __call__(self, *args, **kwargs):
         return self.original(self.script, *args, **kwargs)
@@ -64,12 +65,15 @@ def _routed(cls: type) -> Callable:
 _ROUTED = {cls: _routed(cls) for cls in _ORIGINALS}
 
 
-def install() -> None:
+def install(session: Session) -> None:
     """Route TorchScript calls (when the outermost clone forward starts)."""
     for cls, routed in _ROUTED.items():
         cls.__call__ = routed
 
 
-def uninstall() -> None:
+def uninstall(session: Session) -> None:
     for cls, original in _ORIGINALS.items():
         cls.__call__ = original
+
+
+register_route(install, uninstall)

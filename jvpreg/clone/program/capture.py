@@ -25,20 +25,22 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from jvpreg.clone.core.errors import CaptureError, JVPCaptureWarning
 from jvpreg.clone.program import checkpointed_regions, sharded_units
-from jvpreg.clone.eager import compiled_code, functions
+from jvpreg.clone.eager import compiled_code, forward, parameter_slots
 from jvpreg.clone.core import device_paths
 from jvpreg.clone.rules import kernels
 from jvpreg.clone.core import tensor as _tensor
-from jvpreg.clone.eager.dispatch import _FALLBACK
+from jvpreg.clone.eager.dispatch import get_fallback
 from jvpreg.clone.core.registry import Handlers
 from jvpreg.clone.program.guards import ATTRIBUTES, VALUES, Guards, Miss, ModuleGuard
 from jvpreg.clone.program.value_guard import expected_reads, split_off
 from jvpreg.clone.program.value_reads import ValueReads
 from jvpreg.clone.program.replay import replay_function
 from jvpreg.clone.program.side_effects import (AttributeReads, Attributes, Generators, Globals, argument_objects,
-    held_generators, is_held_object)
+    held_generators)
+from jvpreg.clone.core.held_objects import is_held_object
+from jvpreg.clone.core.session import current, holding
 from jvpreg.clone.program.passes import largest_magnitude, optimize
-from jvpreg.clone.core.tensor import _ANY_AUTOCAST, CloneTensor
+from jvpreg.clone.core.tensor import any_autocast, CloneTensor
 
 __all__ = ["CaptureError", "JVPCaptureWarning", "ENGINES", "MAX_PROGRAMS", "EAGER_CALLS_BEFORE_CAPTURE", "call", "reset",
            "uncompiled", "resolve_engine", "programs", "inductor_options"]
@@ -283,7 +285,7 @@ def _leaf_sig(leaf: Any, finite: Optional[bool] = None) -> Any:
 
 
 def _autocast_state() -> Tuple[Any, ...]:
-    if not _ANY_AUTOCAST():  # one call in the usual case
+    if not any_autocast():  # one call in the usual case
         return ()
     out = []
     for dev in ("cpu", "cuda"):
@@ -308,7 +310,7 @@ def _key(rec: _Record, call_id: Any, in_spec: Any, leaves: List[Any], slot_value
     return (call_id, in_spec, sigs, slot_sig,
             rec.root_flagged and rec.root().training, tuple(map(_TRAINING, rec.flagged)), torch.is_grad_enabled(),
             _autocast_state(), torch.get_default_dtype(),  # factory ops without a dtype (torch.full, arange)
-            _FALLBACK["mode"], device_paths.simulated(), Handlers.version)  # the rules the program ran
+            get_fallback(), device_paths.simulated(), Handlers.version)  # the rules the program ran
 
 
 def _varying_sizes(keys: List[Tuple[Any, ...]]) -> str:
@@ -331,17 +333,6 @@ def _phys(leaf: Any) -> torch.Tensor:
         with DisableTorchFunctionSubclass():
             return torch.Tensor.as_subclass(leaf, torch.Tensor)
     return leaf
-
-
-@contextlib.contextmanager
-def _setting(cell: list, value: Any):
-    """``cell[0] = value`` inside (``tensor._CAPTURING``: the tracer; ``tensor._COMPILING``: the engine)."""
-    prev = cell[0]
-    cell[0] = value
-    try:
-        yield
-    finally:
-        cell[0] = prev
 
 
 @contextlib.contextmanager
@@ -380,7 +371,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
            slot_values: List[Any]) -> _Program:
     from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
-    if not _tensor._SWAPPED_CLONES and CloneTensor in set(map(type, slot_values)):
+    if not parameter_slots.swapped() and CloneTensor in set(map(type, slot_values)):
         raise CaptureError("a parameter or buffer slot holds a clone tensor that jvpreg.clone.swapped_tensors "
                            "did not put there (swap parameter directions in with it, or use jvpreg.jvp_params)")
     clone_pos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -392,7 +383,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
         tracer = get_proxy_mode().tracer
         _note_grad_mode(tracer)
         reads = out_meta["reads"] = ValueReads(tracer)
-        with _setting(_tensor._CAPTURING, tracer), reads.active():
+        with holding(tracer=tracer), reads.active():
             new_leaves = list(leaves)
             args, kwargs = _traced_arguments(new_leaves, flat, clone_pos, slot_values, slot_pos, in_spec)
             out = fn(*args, **kwargs)
@@ -416,7 +407,7 @@ def _trace(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], rec
     optimize(gm, *_finiteness(leaves, clone_pos, slot_values, slot_pos))
     values = split_off(gm, expected, names) if expected else None
     guards = Guards.record(gm, rec.root(), rec.modules, attribute_reads, module_globals, values)
-    compiling = _tensor._COMPILING[0]  # compiled: never replayed, torch.compile reads the sub-programs
+    compiling = current().compiling  # compiled: never replayed, torch.compile reads the sub-programs
     checkpointed_regions.outline(gm, (lambda sub: sub) if compiling else replay_function, torch.is_grad_enabled(),
                                  n_in)
     replay = None if compiling else replay_function(gm)
@@ -699,8 +690,9 @@ def _pin_grad_modes(graph: torch.fx.Graph, initial: bool) -> None:
 
 def _clone_slots(slot_values: List[Any]) -> bool:
     """Some parameter or buffer slot holds a clone (parameter directions). Known without reading the slots'
-    tensors while no clone is swapped in (:func:`jvpreg.clone.api.swap_in` lists them): the usual call."""
-    return bool(_tensor._SWAPPED_CLONES) and CloneTensor in set(map(type, slot_values))
+    tensors while no clone is swapped in (:func:`jvpreg.clone.eager.parameter_slots.swap_in` lists them): the usual
+    call."""
+    return bool(parameter_slots.swapped()) and CloneTensor in set(map(type, slot_values))
 
 
 def _inputs(leaves: List[Any], slot_values: List[Any]) -> List[torch.Tensor]:
@@ -737,10 +729,10 @@ def _run_eager(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, reaso
     """``fn`` in eager clone mode because of ``reason``: said once by a warning, except for a module that holds FSDP
     units, whose bodies are captured in turn (:mod:`jvpreg.clone.program.sharded_units`)."""
     if reason == SHARDED and sharded_units.has_fsdp2_units(module):
-        with functions.active(module, (args, kwargs)), uncompiled(module), sharded_units.routed(module, engine):
+        with forward.active(module, (args, kwargs)), uncompiled(module), sharded_units.routed(module, engine, call):
             return fn(*args, **kwargs)
     _warn_eager(module, reason)
-    with functions.active(module, (args, kwargs)), uncompiled(module):
+    with forward.active(module, (args, kwargs)), uncompiled(module):
         return fn(*args, **kwargs)
 
 
@@ -779,7 +771,7 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, engine: str, fn: Callabl
             _warn_eager(module, IN_TRANSFORM)
         engine = "eager"
     if engine == "eager":
-        with functions.active(module, (args, kwargs)), uncompiled(module):
+        with forward.active(module, (args, kwargs)), uncompiled(module):
             return fn(*args, **kwargs)
     rec = _record(module)
     if rec.hooks:  # checked before any program: a hook registered after a capture must run too
@@ -924,8 +916,8 @@ def _run_uncaptured(module: nn.Module, fn: Callable, args: tuple, kwargs: dict, 
     """``fn`` in eager clone mode without a warning (``engine="auto"`` before a capture); the bodies of a sharded
     module's FSDP units are captured in turn (:mod:`jvpreg.clone.program.sharded_units`)."""
     sharded = _unsupported(module, rec, hooks_outside) == SHARDED and sharded_units.has_fsdp2_units(module)
-    with functions.active(module, (args, kwargs)), uncompiled(module), \
-            sharded_units.routed(module, engine) if sharded else contextlib.nullcontext():
+    with forward.active(module, (args, kwargs)), uncompiled(module), \
+            sharded_units.routed(module, engine, call) if sharded else contextlib.nullcontext():
         return fn(*args, **kwargs)
 
 
@@ -954,7 +946,7 @@ def _capture(module: nn.Module, fn: Callable, in_spec: Any, leaves: List[Any], r
              compiled: bool) -> _Program:
     """Record a program for this call, or a program-less record that says why it cannot be captured."""
     try:
-        with functions.active(module), uncompiled(module), _setting(_tensor._COMPILING, compiled):
+        with forward.active(module), uncompiled(module), holding(compiling=compiled):
             return _trace(module, fn, in_spec, leaves, rec, slot_values)
     except CaptureError as err:
         return _Program(gm=None, reason=str(err))

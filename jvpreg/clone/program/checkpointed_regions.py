@@ -23,17 +23,17 @@ import functools
 import inspect
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from jvpreg.clone.core.errors import CaptureError
+from jvpreg.clone.core.session import current, holding
 
 __all__ = ["Region", "CheckpointedRegion", "recording", "open_region", "tag", "outline"]
 
 _META = "jvpreg_region"
-_OPEN: List[Optional["Region"]] = [None]  # the region whose nodes the capture's tracer is recording now
 #: checkpoint's options and their defaults (torch 2.11 takes ``preserve_rng_state`` through ``**kwargs``)
 _DEFAULTS = {"preserve_rng_state": True, **{name: p.default for name, p in
                                             inspect.signature(torch_checkpoint.checkpoint).parameters.items()
@@ -49,33 +49,34 @@ class Region:
 
 @contextlib.contextmanager
 def recording() -> Iterator[None]:
-    """Scope of one capture: no region is open at its start or after it (a failed trace leaves none open)."""
-    _OPEN[0] = None
-    try:
+    """Scope of one capture in the clone forward's session: a checkpoint with gradients runs :func:`open_region`
+    (:mod:`jvpreg.clone.eager.checkpointing` asks the session), and no region is open at its start or after it (a
+    failed trace leaves none open)."""
+    with holding(record_checkpoint=open_region, region=None):
         yield
-    finally:
-        _OPEN[0] = None
 
 
 def open_region(options: Dict[str, Any]) -> Iterator[None]:
     """The generator torch's checkpoint drives while a capture records it (``next`` before the region's function
     runs, ``next`` after): the nodes recorded in between are the region's. A nested checkpoint joins the open one."""
-    if _OPEN[0] is not None:
+    session = current()
+    if session.region is not None:
         yield
         return
     # only the options that differ from checkpoint's defaults (torch.compile refuses some explicit defaults)
-    _OPEN[0] = Region({k: v for k, v in options.items() if k in _DEFAULTS and v is not _DEFAULTS[k]
-                       and v != _DEFAULTS[k]})
+    session.region = Region({k: v for k, v in options.items() if k in _DEFAULTS and v is not _DEFAULTS[k]
+                             and v != _DEFAULTS[k]})
     try:
         yield
     finally:
-        _OPEN[0] = None
+        session.region = None
 
 
 def tag(node: torch.fx.Node) -> None:
     """Mark a node the tracer records with the open region (called from the capture's ``create_node``)."""
-    if _OPEN[0] is not None:
-        node.meta[_META] = _OPEN[0]
+    session = current()
+    if session is not None and session.region is not None:
+        node.meta[_META] = session.region
 
 
 class CheckpointedRegion(nn.Module):

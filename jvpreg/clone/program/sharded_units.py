@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator, List
+from typing import Any, Callable, Iterator, List
 
 import torch
 from torch import nn
+
+from jvpreg.clone.core.tensor import CloneTensor, wrap
+from jvpreg.clone.eager.functions import original_apply, register_function_rule
 
 __all__ = ["is_unit", "has_fsdp2_units", "routed"]
 
@@ -49,13 +52,14 @@ def has_fsdp2_units(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def routed(module: nn.Module, engine: str) -> Iterator[None]:
+def routed(module: nn.Module, engine: str, call: Callable) -> Iterator[None]:
     """While it is open, every FSDP2 unit in ``module`` (itself included) runs its forward body through
-    :func:`_body` with ``engine``; a unit routed already (a nested call) keeps its route."""
+    :func:`_body` with ``engine`` and the capture's ``call`` (:func:`jvpreg.clone.program.capture.call`); a unit
+    routed already (a nested call) keeps its route."""
     units: List[nn.Module] = []
     for m in module.modules():
         if _fsdp2(m) and "forward" not in m.__dict__:
-            m.__dict__["forward"] = functools.partial(_body, m, m.forward, engine)
+            m.__dict__["forward"] = functools.partial(_body, m, m.forward, engine, call)
             units.append(m)
     try:
         yield
@@ -64,22 +68,17 @@ def routed(module: nn.Module, engine: str) -> Iterator[None]:
             m.__dict__.pop("forward", None)
 
 
-def _body(unit: nn.Module, forward: Any, engine: str, *args: Any, **kwargs: Any) -> Any:
+def _body(unit: nn.Module, forward: Any, engine: str, call: Callable, *args: Any, **kwargs: Any) -> Any:
     """``unit.forward(*args, **kwargs)``, captured: called between FSDP's hooks, with the unit's parameters
     unsharded."""
-    from jvpreg.clone.program.capture import call
-
     return call(unit, args, kwargs, engine=engine, fn=forward, hooks_outside=True)
 
 
 def _post_backward_rule(args: tuple, kwargs: dict) -> tuple:
     """``RegisterPostBackwardFunction.apply(param_group, *inputs)`` (identity): applied to the physical batches."""
-    from jvpreg.clone.eager.functions import _orig
-    from jvpreg.clone.core.tensor import CloneTensor, wrap
-
     param_group, *inputs = args
     phys = [t.as_subclass(torch.Tensor) if type(t) is CloneTensor else t for t in inputs]
-    outs = _orig(_RegisterPostBackward, param_group, *phys, **kwargs)
+    outs = original_apply(_RegisterPostBackward, param_group, *phys, **kwargs)
     return tuple(wrap(o, state=bool(t._jvp_state)) if type(t) is CloneTensor else o for o, t in zip(outs, inputs))
 
 
@@ -89,6 +88,4 @@ try:  # FSDP2's Function on a unit's inputs (torch >= 2.6)
 except ImportError:  # pragma: no cover - torch without FSDP2
     _RegisterPostBackward = None
 else:
-    from jvpreg.clone.eager.functions import register_function_rule
-
     register_function_rule(_RegisterPostBackward)(_post_backward_rule)

@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import dis
 import enum
-import functools
 import os
 import sys
 import sysconfig
@@ -59,7 +58,9 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 import torch
 from torch import nn
 
-__all__ = ["Generators", "held_generators", "is_held_object", "held_objects", "Attributes", "AttributeReads", "hold",
+from jvpreg.clone.core.held_objects import is_held_object
+
+__all__ = ["Generators", "held_generators", "held_objects", "Attributes", "AttributeReads", "hold",
            "changed", "keyed_by_identity", "argument_objects", "Globals"]
 
 
@@ -143,16 +144,6 @@ def _recomputed(mod: nn.Module) -> set:
 
     names = {h.name for h in mod._forward_pre_hooks.values() if isinstance(h, (SpectralNorm, WeightNorm))}
     return names | _RNN_CACHES if isinstance(mod, nn.RNNBase) else names
-
-
-_NOT_HELD = (nn.Module, torch.Tensor, torch.Generator, type, types.FunctionType, types.MethodType,
-             types.BuiltinFunctionType, types.ModuleType, functools.partial)
-
-
-def is_held_object(value: Any) -> bool:
-    """An object with Python fields of its own (a config, a small settings object) that a module holds as an
-    attribute: its fields steer the forward like the module's own attributes."""
-    return hasattr(value, "__dict__") and isinstance(vars(value), dict) and not isinstance(value, _NOT_HELD)
 
 
 def held_objects(module: nn.Module) -> List[Tuple[str, Any]]:

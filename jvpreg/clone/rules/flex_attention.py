@@ -25,6 +25,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+from jvpreg.clone.core.session import Session, register_route
 from jvpreg.clone.rules.blocks import primal
 from jvpreg.clone.rules.kinds import composite
 
@@ -35,19 +36,22 @@ except ImportError:  # pragma: no cover - torch without FlexAttention
     _front = _hop = None
 
 _SWITCH = "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"
-_saved: list = []
 
 
-def install() -> None:
-    """Make ``flex_attention`` call its operator directly (called when the outermost clone forward starts)."""
+def install(session: Session) -> None:
+    """Make ``flex_attention`` call its operator directly (when the outermost clone forward starts); the caller's
+    setting is kept in the session."""
     if _front is not None and hasattr(_front, _SWITCH):
-        _saved.append(getattr(_front, _SWITCH))
+        session.saved[__name__] = getattr(_front, _SWITCH)
         setattr(_front, _SWITCH, True)
 
 
-def uninstall() -> None:
-    if _saved:
-        setattr(_front, _SWITCH, _saved.pop())
+def uninstall(session: Session) -> None:
+    if __name__ in session.saved:
+        setattr(_front, _SWITCH, session.saved.pop(__name__))
+
+
+register_route(install, uninstall)
 
 
 def _indices(shape, device):

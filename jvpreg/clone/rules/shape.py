@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_unflatten
 
-from jvpreg.clone.core import tensor as tensor_module
 from jvpreg.clone.core.errors import CaptureError, UnsupportedOpError
 from jvpreg.clone.core.registry import COMPLEX_EXACT, HANDLERS, maybe, op_name, register_handler, register_op
-from jvpreg.clone.core.tensor import (METADATA, CloneTensor, any_clone, is_clone, phys_dim, storage_bytes, wrap,
-    wrap_tree)
+from jvpreg.clone.core.tensor import (METADATA, CloneTensor, any_clone, capturing, is_clone, phys_dim, storage_bytes,
+    wrap, wrap_tree)
 from jvpreg.clone.eager.dispatch import NOT_STATE, fallback, flat_clones, state_eval, state_write
 from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse
 from jvpreg.clone.rules.blocks import as_batch, assemble, count, primal, split
@@ -71,7 +70,7 @@ METADATA.update(getattr(T, n).__get__ for n in _QUERY_GETTERS if hasattr(T, n))
 
 @register_handler(T._base.__get__)
 def _base(func, args, kwargs):
-    """``._base``: ``None`` for a clone that stands for an op's own result (:func:`~jvpreg.clone.core.tensor._claim`),
+    """``._base``: ``None`` for a clone that stands for an op's own result (:func:`~jvpreg.clone.core.tensor.claim`),
     else the base of its storage: the clone is a view, as the plain op's result is (FSDP2 asks before hooking a
     module's output). The base is returned to be tested, not computed with."""
     x = args[0]
@@ -130,14 +129,13 @@ def _on_self(func, args, kwargs):
     """Gradient hooks go where the clone's gradient arrives, never on a new alias of it (what ``_on_phys``
     builds), which no gradient reaches (FSDP2 unshards a layer's parameters for backward from such a hook).
 
-    A clone that stands for an op's own result (:func:`~jvpreg.clone.core.tensor._claim`) is hooked on the base of its
+    A clone that stands for an op's own result (:func:`~jvpreg.clone.core.tensor.claim`) is hooked on the base of its
     storage: its gradient is the clone's, and an in-place update of the clone (``h += x``) keeps the hook, as it
     does on the plain result of a plain op; on the clone, an autograd alias, the update would regenerate its
     ``grad_fn`` and drop the hook. A clone that is a view is hooked itself, as torch hooks a view. The hook receives
     the gradient of the physical ``(K, *L)`` batch. ``retain_grad`` stays on the clone, whose ``.grad`` the caller
     reads."""
-    if tensor_module._CAPTURING[0] is not None:
-
+    if capturing():
         raise CaptureError("the forward registers a gradient hook (it would not be replayed)")
     x = args[0]
     if func is not T.register_hook or not x._jvp_owns or x._base is None:
