@@ -3,7 +3,8 @@
 ``python scripts/compare_runs.py --before A.json [A2.json ...] --after B.json [B2.json ...]`` prints a Markdown
 table per report kind: for each model and method, the ratio to the physical limit (the plain forward of the 2B-row
 batch for a JVP, the plain 2B step for a training step) in each version, the median over the runs given, and
-``after / before`` of that ratio. Ratios to a plain run in the same process cancel most of a shared machine's load.
+``after / before`` of that ratio. Ratios to a plain run in the same process cancel most of a shared machine's load;
+a method whose code did not change (double backprop) shows what is left of it.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import statistics
 from typing import Dict, List, Tuple
 
 
-def _ratios(report: dict) -> Dict[Tuple[str, str], float]:
-    """(model, method) -> time / physical limit, for a capture or a train report."""
+def _ratios(report: dict, clock: str = "cpu") -> Dict[Tuple[str, str], float]:
+    """(model, method) -> time / physical limit, for a capture or a train report (a train report's process CPU time
+    with ``clock="cpu"``, its wall-clock median with ``"wall"``)."""
     out = {}
     if "rows" in report:  # python -m jvpreg.bench capture
         for row in report["rows"]:
@@ -24,20 +26,23 @@ def _ratios(report: dict) -> Dict[Tuple[str, str], float]:
                 if limit and t and method not in ("forward_B", "forward_2B"):
                     out[(row["model"], f"{method} / fwd 2B")] = t / limit
     else:  # python -m jvpreg.bench train
-        limits = {r["model"]: r["median_s"] for r in report["results"] if r["method"] == "plain_2b"}
+        key = "cpu_median_s" if clock == "cpu" else "median_s"
+        limits = {r["model"]: r[key] for r in report["results"] if r["method"] == "plain_2b"}
         for r in report["results"]:
-            if r["method"] not in ("plain", "plain_2b") and r.get("median_s") and limits.get(r["model"]):
-                out[(r["model"], f"{r['method']} / plain 2B")] = r["median_s"] / limits[r["model"]]
+            if r["method"] not in ("plain", "plain_2b") and r.get(key) and limits.get(r["model"]):
+                out[(r["model"], f"{r['method']} / plain 2B")] = r[key] / limits[r["model"]]
     return out
 
 
-def _median(reports: List[dict]) -> Dict[Tuple[str, str], float]:
-    keys = set().union(*(_ratios(r) for r in reports))
-    return {k: statistics.median(_ratios(r)[k] for r in reports if k in _ratios(r)) for k in keys}
+def _median(reports: List[dict], clock: str) -> Dict[Tuple[str, str], float]:
+    ratios = [_ratios(r, clock) for r in reports]
+    keys = set().union(*ratios)
+    return {k: statistics.median(r[k] for r in ratios if k in r) for k in keys}
 
 
-def table(before: List[dict], after: List[dict]) -> str:
-    b, a = _median(before), _median(after)
+def table(before: List[dict], after: List[dict], clock: str = "cpu") -> str:
+    """The Markdown table: each (model, ratio) in both versions, and their quotient with its geometric mean."""
+    b, a = _median(before, clock), _median(after, clock)
     lines = ["| model | ratio | before | after | after / before |", "|:---|:---|---:|---:|---:|"]
     logs = []
     for key in sorted(set(b) & set(a)):
@@ -53,9 +58,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", nargs="+", required=True, help="reports of the old code")
     parser.add_argument("--after", nargs="+", required=True, help="reports of the new code (same command)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="train reports: process CPU time (steadier on a shared machine) or wall clock")
     args = parser.parse_args()
     load = lambda paths: [json.load(open(p)) for p in paths]  # noqa: E731
-    print(table(load(args.before), load(args.after)))
+    print(table(load(args.before), load(args.after), args.clock))
 
 
 if __name__ == "__main__":
