@@ -73,6 +73,26 @@ def imports(module: str) -> List[Import]:
 IMPORTS = {m: imports(m) for m in MODULES}
 
 
+def private_reads(module: str) -> List[Tuple[str, str, int]]:
+    """``(module read from, private name, line)`` for each ``alias._name`` where ``alias`` is a jvpreg module that
+    ``module`` imported (a private name used across modules through the module object, not by an import)."""
+    tree = ast.parse(MODULES[module].read_text())
+    aliases: Dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES and a.asname:
+                    aliases[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, node)
+            for a in node.names:
+                if f"{source}.{a.name}" in MODULES:
+                    aliases[a.asname or a.name] = f"{source}.{a.name}"
+    return [(aliases[n.value.id], n.attr, n.lineno) for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+            and n.attr.startswith("_") and not n.attr.startswith("__") and aliases[n.value.id] != module]
+
+
 def floor_of(module: str) -> str:
     """The engine floor of a module, ``public`` for the engine's public modules, or its top-level package."""
     parts = module.split(".")

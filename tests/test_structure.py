@@ -87,6 +87,19 @@ def test_no_private_name_is_imported_across_modules():
     assert private == []
 
 
+def test_no_private_name_is_read_across_modules_through_the_module_object():
+    reads = [f"{m}:{line} reads {t}.{name}" for m in structure.MODULES for t, name, line in structure.private_reads(m)]
+    assert reads == []
+
+
+def test_private_reads_are_seen(tmp_path, monkeypatch):
+    """The reader catches ``alias._name`` on an imported jvpreg module (else the test above could not fail)."""
+    source = tmp_path / "probe.py"
+    source.write_text("from jvpreg.clone.core import tensor as _tensor\n\ndef f(t):\n    return _tensor._hidden(t)\n")
+    monkeypatch.setitem(structure.MODULES, "jvpreg.probe", source)
+    assert structure.private_reads("jvpreg.probe") == [("jvpreg.clone.core.tensor", "_hidden", 4)]
+
+
 def test_the_picture_is_current():
     """docs/structure.md is what ``python scripts/structure.py --write`` writes from the code as it stands."""
     assert structure.DOC.read_text() == structure.picture(), "run: python scripts/structure.py --write"

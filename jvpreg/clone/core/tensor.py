@@ -64,7 +64,7 @@ class CloneTensor(torch.Tensor):
         if cls is torch.Tensor:
             session = current()
             if session is not None and session.tracer is not None:
-                return _tracked_phys(self)
+                return tracked_phys(self)
         return torch.Tensor.as_subclass(self, cls)
 
     def __repr__(self, *, tensor_contents=None):  # pragma: no cover - cosmetic
@@ -129,7 +129,9 @@ def track(clone: CloneTensor, phys: torch.Tensor) -> CloneTensor:
     return clone
 
 
-def _tracked_phys(clone: CloneTensor) -> torch.Tensor:
+def tracked_phys(clone: CloneTensor) -> torch.Tensor:
+    """While capturing: the tracked physical tensor that stands for ``clone`` (:func:`track`); a clone whose metadata
+    changed since, or that was made outside the capture, cannot be recorded (:class:`CaptureError`)."""
     phys = getattr(clone, "_jvp_phys", None)
     with DisableTorchFunctionSubclass():
         same = phys is not None and phys.shape == clone.shape and phys.stride() == clone.stride()
@@ -215,7 +217,7 @@ def wrap(phys: torch.Tensor, state: bool = False) -> CloneTensor:
             out = torch.Tensor.as_subclass(phys, CloneTensor)
             claim(out, phys)
             if tracer is not None:
-                phys = _tracked_phys(phys)
+                phys = tracked_phys(phys)
     else:
         out = phys.as_subclass(CloneTensor)
         claim(out, phys)

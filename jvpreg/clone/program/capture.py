@@ -444,7 +444,7 @@ def _traced_outputs(out: Any, out_meta: Dict[str, Any]) -> List[torch.Tensor]:
     for leaf in out_leaves:
         if type(leaf) is CloneTensor:
             kinds.append("state" if leaf._jvp_state else "clone")
-            tensors.append(_tensor._tracked_phys(leaf))
+            tensors.append(_tensor.tracked_phys(leaf))
         elif isinstance(leaf, torch.Tensor):
             kinds.append("tensor")
             tensors.append(leaf)

@@ -60,7 +60,7 @@ class ValueReads:
 
         if type(t) is _tensor.CloneTensor:
             with DisableTorchFunctionSubclass():
-                t = _tensor._tracked_phys(t).select(0, 0)
+                t = _tensor.tracked_phys(t).select(0, 0)
         elif type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
             return None  # another subclass answers its own reads
         return t if get_proxy_slot(t, self.tracer, None) is not None else None
