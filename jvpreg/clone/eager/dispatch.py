@@ -300,14 +300,9 @@ def generic_inplace(func: Callable, args: tuple, kwargs: dict) -> Any:
             f"{_how_to_register(func, op_name(func))}")
     target = args[0]
     if not is_clone(target):
-        out = state_write(func, args, kwargs)
+        out = into_plain_target(func, args, kwargs)
         if out is not NOT_STATE:
             return out
-
-        fill_or_refuse(target, blocks_of(args[1:], kwargs),
-                       f"jvpreg clone mode: in-place {op_name(func)} would write batch data into a tensor created "
-                       "outside the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) or use the "
-                       "out-of-place op.")
     return write_back(func, target, dispatch(oop, detached_target(args, kwargs), kwargs))
 
 
@@ -347,6 +342,20 @@ def state_write(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 NOT_STATE = object()
+
+
+def into_plain_target(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """An in-place op whose target ``args[0]`` is a plain tensor: :func:`state_write`'s result where every clone
+    operand is state; else :data:`NOT_STATE`, once the target is known to be a tensor the forward made from sizes and
+    may fill with batch data (:func:`~jvpreg.clone.eager.made_tensors.fill_or_refuse`, a clear error otherwise): the
+    caller then writes the blocks back."""
+    out = state_write(func, args, kwargs)
+    if out is NOT_STATE:
+        fill_or_refuse(args[0], blocks_of(args[1:], kwargs),
+                       f"jvpreg clone mode: in-place {op_name(func)} would write batch data into a tensor created "
+                       "outside the batch. Create it from the batch (torch.zeros_like(h), h.new_zeros(...)) or use the "
+                       "out-of-place op.")
+    return out
 
 
 def per_block(func: Callable, args: tuple, kwargs: dict) -> Any:

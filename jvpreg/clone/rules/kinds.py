@@ -35,8 +35,7 @@ from torch.utils._pytree import tree_map, tree_unflatten
 from jvpreg.clone.core.registry import COMPLEX_AFFINE, HANDLERS, existing, position, register_handler, register_op
 from jvpreg.clone.core.tensor import (CloneTensor, any_clone, is_clone, iter_clones, raw, varies, wrap,
     wrap_tree)
-from jvpreg.clone.eager.dispatch import NOT_STATE, fallback, flat_clones, per_block, state_eval, state_write
-from jvpreg.clone.eager.made_tensors import blocks_of, fill_or_refuse
+from jvpreg.clone.eager.dispatch import NOT_STATE, fallback, flat_clones, into_plain_target, per_block, state_eval
 from jvpreg.clone.eager.writes import detached_target, finish, write_back
 from jvpreg.clone.rules.blocks import align, assemble, count, each_block, primal, split, stacked, tangents
 
@@ -215,13 +214,9 @@ def elementwise_inplace(func: Callable, args: tuple, kwargs: dict) -> Any:
     """The in-place form of :func:`elementwise`: written into the physical target."""
     target = args[0]
     if not is_clone(target):
-        out = state_write(func, args, kwargs)
+        out = into_plain_target(func, args, kwargs)
         if out is not NOT_STATE:
             return out
-        fill_or_refuse(target, blocks_of(args[1:], kwargs),
-                       f"jvpreg clone mode: in-place {getattr(func, '__name__', func)} would write batch data into a "
-                       "tensor created outside the batch. Create it from the batch (torch.zeros_like(h), "
-                       "h.new_zeros(...)) or use the out-of-place op.")
     flat, spec, idx = flat_clones(args, kwargs)
     state = all(flat[i]._jvp_state for i in idx)
     a, k = tree_unflatten(align(flat, idx), spec)
