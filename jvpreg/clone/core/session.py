@@ -88,6 +88,22 @@ def register_route(install: Callable[[Session], None], uninstall: Callable[[Sess
     ROUTES.append((install, uninstall))
 
 
+def register_patches(replacements: Dict[Tuple[Any, str], Any]) -> None:
+    """A route that sets ``owner.name = replacement`` for each ``(owner, name)`` while a clone forward runs, and puts
+    back what was there when it was registered."""
+    originals = {key: getattr(*key) for key in replacements}
+
+    def install(session: Session) -> None:
+        for (owner, name), replacement in replacements.items():
+            setattr(owner, name, replacement)
+
+    def uninstall(session: Session) -> None:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
+
+    register_route(install, uninstall)
+
+
 def enter(dispatch: Callable[[Callable, tuple, dict], Any]) -> Session:
     """The session of a clone forward that starts: a new one with every route installed if no clone forward runs in
     this context, else the one that runs; its ``depth`` one more. Each :func:`enter` is paired with a :func:`leave`

@@ -26,7 +26,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from jvpreg.clone.core.errors import BatchWriteError, STATE_WRITE_HINT
-from jvpreg.clone.core.session import Session, current, register_route
+from jvpreg.clone.core.session import current, register_patches
 from jvpreg.clone.core.tensor import CloneTensor, capturing, claim, iter_clones, tile, track
 
 _FACTORIES = {
@@ -75,19 +75,7 @@ def _known_to_torchscript() -> None:
 _known_to_torchscript()
 
 
-def install(session: Session) -> None:
-    """Factories note what they make in the session (entering the outermost clone forward)."""
-    for (owner, name), factory in _NOTING.items():
-        setattr(owner, name, factory)
-
-
-def uninstall(session: Session) -> None:
-    """The plain factories again (leaving the outermost clone forward; what was noted goes with its session)."""
-    for (owner, name), factory in _ORIGINALS.items():
-        setattr(owner, name, factory)
-
-
-register_route(install, uninstall)
+register_patches(_NOTING)  # factories note what they make in the session while a clone forward runs
 
 
 def _made(target: Any) -> bool:

@@ -2,8 +2,8 @@
 
 functorch wraps a transform's inputs in C++ (a batched or grad-tracking tensor): a clone batch would lose its
 subclass there and the transform's ops would treat its blocks as samples (a per-sample ``vmap`` in a forward, an
-input-gradient feature ``grad(f)(x) * x``: wrong JVPs, silently). While a clone forward runs (:func:`install`, a
-route of its session: :mod:`jvpreg.clone.core.session`):
+input-gradient feature ``grad(f)(x) * x``: wrong JVPs, silently). While a clone forward runs (a route of its
+session: :func:`~jvpreg.clone.core.session.register_patches`):
 
 * ``torch.vmap`` / ``torch.func.vmap``, ``torch.func.grad`` and ``grad_and_value`` called on clone arguments are one op
   to the engine: the exact fallback (:func:`jvpreg.clone.eager.dispatch.fallback`) linearises the whole transformed call at
@@ -24,7 +24,7 @@ from torch._functorch import apis, eager_transforms
 from torch._functorch import vmap as vmap_module
 
 from jvpreg.clone.core.errors import UnsupportedOpError
-from jvpreg.clone.core.session import Session, register_route
+from jvpreg.clone.core.session import register_patches
 from jvpreg.clone.core.tensor import iter_clones
 from jvpreg.clone.eager.dispatch import fallback
 
@@ -95,15 +95,4 @@ _REPLACEMENTS = {(apis, "vmap_impl"): _vmap_impl,
                  **{(m, n): _guarded(n) for m, n in _GUARDED_NAMES}}
 
 
-def install(session: Session) -> None:
-    """Route the transforms (when the outermost clone forward starts)."""
-    for (module, name), replacement in _REPLACEMENTS.items():
-        setattr(module, name, replacement)
-
-
-def uninstall(session: Session) -> None:
-    for (module, name), original in _ORIGINALS.items():
-        setattr(module, name, original)
-
-
-register_route(install, uninstall)
+register_patches(_REPLACEMENTS)  # the transforms are routed while a clone forward runs

@@ -2,9 +2,9 @@
 
 A scripted function or module called on a clone batch would run its ops on the physical ``(K, *shape)`` tensor as
 if the blocks were samples: every nonlinearity would take its state from each block (``tanh(x) * sigmoid(x)``),
-a silently wrong JVP. While a clone forward runs (:func:`install`, a route of its session:
-:mod:`jvpreg.clone.core.session`) calls of ``torch.jit.ScriptFunction`` and ``torch.ScriptMethod`` (a scripted or
-traced module's ``forward``) with a clone argument are routed:
+a silently wrong JVP. While a clone forward runs (a route of its session:
+:func:`~jvpreg.clone.core.session.register_patches`) calls of ``torch.jit.ScriptFunction`` and
+``torch.ScriptMethod`` (a scripted or traced module's ``forward``) with a clone argument are routed:
 
 * a scripted *function* runs its Python original (``torch.jit.script`` keeps it for Dynamo as
   ``_torchdynamo_inline``), op by op through the rules, as :mod:`jvpreg.clone.eager.compiled_code` runs compiled code;
@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from jvpreg.clone.core.session import Session, register_route
+from jvpreg.clone.core.session import register_patches
 from jvpreg.clone.core.tensor import iter_clones
 from jvpreg.clone.eager.dispatch import fallback
 
@@ -65,15 +65,6 @@ def _routed(cls: type) -> Callable:
 _ROUTED = {cls: _routed(cls) for cls in _ORIGINALS}
 
 
-def install(session: Session) -> None:
-    """Route TorchScript calls (when the outermost clone forward starts)."""
-    for cls, routed in _ROUTED.items():
-        cls.__call__ = routed
+register_patches({(cls, "__call__"): routed for cls, routed in _ROUTED.items()})  # while a clone forward runs
 
 
-def uninstall(session: Session) -> None:
-    for cls, original in _ORIGINALS.items():
-        cls.__call__ = original
-
-
-register_route(install, uninstall)
